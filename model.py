@@ -1,0 +1,401 @@
+"""A minimal Qwen2-family decoder (Qwen2, Qwen2.5, Llama) that loads Hugging Face checkpoints.
+
+The architecture, for one token stream x (B, T, H) through L identical blocks:
+
+    h = x + o_proj( attention( rope(q_proj(n1)), rope(k_proj(n1)), v_proj(n1) ) )   n1 = rmsnorm1(x)
+    x = h + down_proj( silu(gate_proj(n2)) * up_proj(n2) )                          n2 = rmsnorm2(h)
+    logits = lm_head( rmsnorm(x) )
+
+- RMSNorm: x / sqrt(mean(x²) + eps) * w. The weight is kept in float32 whatever the model's dtype:
+  AQN (aqn.py) adds noise of sigma ~1e-3 to it, which bf16 (8 bits of mantissa, a step of 2^-7
+  near 1.0) would round away.
+- Attention: grouped-query (num_key_value_heads ≤ num_attention_heads; each kv head serves a group of
+  query heads), causal, rotary position embedding on q and k with base rope_theta. Qwen2 has biases
+  on q/k/v (attention_bias), Llama does not.
+- MLP: SwiGLU. Embeddings tied to lm_head or not (tie_word_embeddings).
+
+Everything the model is comes from config.json (never from the folder's name). Weights are read
+from safetensors (one file, or shards listed in model.safetensors.index.json) through an explicit key
+map (our names are HF's without the leading "model."), with a shape check per tensor, into a model
+first built on the meta device so no memory is spent on a random init.
+
+Every linear is an ordinary module, and `swap_linears(make, filter)` replaces them: fp4_gemm
+swaps in NVFP4 QuantLinears, lora.py wraps them with adapters. A folder whose config.json carries a
+compressed-tensors NVFP4 quantization_config (written by `python nvfp4.py`) loads straight into
+QuantLinears, as does `from_pretrained(..., quantize=True)` on a bf16 folder, one weight at a time, so
+a 32B model is never whole in bf16.
+
+The forward takes optional positions (B, T) and a KV cache: any object with
+`attend(layer, q, k, v) -> out` and `advance(T)` (KVCache below is the plain one; rollout.py has the
+fast one). Without them it is a plain causal forward over the whole sequence.
+"""
+import json
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch.utils.checkpoint import checkpoint
+
+import fp4_gemm
+import nvfp4
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ALIASES = {f"qwen2.5-{n}b": f"Qwen/Qwen2.5-{n.upper()}B-Instruct" for n in ("0.5", "1.5", "3", "7", "14", "32")}
+ALIASES["tiny"] = os.path.join(HERE, "assets", "tiny")
+SUPPORTED = ("qwen2", "llama")
+
+
+class Config:
+    """The fields of an HF config.json that the architecture needs, checked."""
+
+    def __init__(self, d):
+        model_type = d.get("model_type")
+        if model_type not in SUPPORTED:
+            raise ValueError(f"unsupported architecture model_type={model_type!r} "
+                             f"(architectures={d.get('architectures')}); this decoder supports {SUPPORTED}")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act={d.get('hidden_act')!r}; only SwiGLU (silu) is implemented")
+        # transformers < 5 writes rope_theta and rope_scaling; 5.x writes them into rope_parameters.
+        rope = {**(d.get("rope_scaling") or {}), **(d.get("rope_parameters") or {})}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ValueError(f"unsupported rope scaling {rope}; only plain RoPE is implemented")
+        if d.get("use_sliding_window"):
+            raise ValueError("use_sliding_window=true is not supported; set it false (Qwen2.5 ships it false)")
+        self.model_type = model_type
+        self.vocab_size = d["vocab_size"]
+        self.hidden_size = d["hidden_size"]
+        self.intermediate_size = d["intermediate_size"]
+        self.num_layers = d["num_hidden_layers"]
+        self.num_heads = d["num_attention_heads"]
+        self.num_kv_heads = d.get("num_key_value_heads") or self.num_heads
+        self.head_dim = d.get("head_dim") or self.hidden_size // self.num_heads
+        self.rms_norm_eps = d.get("rms_norm_eps", 1e-6)
+        self.rope_theta = d.get("rope_theta") or rope.get("rope_theta") or 10000.0
+        self.tie_word_embeddings = d.get("tie_word_embeddings", False)
+        self.attention_bias = d.get("attention_bias", model_type == "qwen2")
+        self.mlp_bias = d.get("mlp_bias", False)
+        self.max_position_embeddings = d.get("max_position_embeddings", 32768)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}")
+        self.raw = d
+
+    def __repr__(self):
+        return (f"Config({self.model_type}: L={self.num_layers} H={self.hidden_size} I={self.intermediate_size} "
+                f"heads={self.num_heads}/{self.num_kv_heads}x{self.head_dim} V={self.vocab_size} tied={self.tie_word_embeddings})")
+
+
+def qwen25_config(size):
+    """The published Qwen2.5-{size}-Instruct config.json (size: '0.5b' … '32b'), for building
+    random-weight models of the real shapes in benchmarks, where no checkpoint can be downloaded."""
+    shapes = {  # hidden, intermediate, layers, heads, kv heads, vocab, tied
+        "0.5b": (896, 4864, 24, 14, 2, 151936, True), "1.5b": (1536, 8960, 28, 12, 2, 151936, True),
+        "3b": (2048, 11008, 36, 16, 2, 151936, True), "7b": (3584, 18944, 28, 28, 4, 152064, False),
+        "14b": (5120, 13824, 48, 40, 8, 152064, False), "32b": (5120, 27648, 64, 40, 8, 152064, False)}
+    h, i, n, a, kv, v, tied = shapes[size.lower()]
+    return Config({"model_type": "qwen2", "hidden_size": h, "intermediate_size": i, "num_hidden_layers": n,
+                   "num_attention_heads": a, "num_key_value_heads": kv, "vocab_size": v,
+                   "tie_word_embeddings": tied, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6})
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))  # float32 always: see the docstring
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * self.weight).to(x.dtype)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def rope_cos_sin(positions, inv_freq, dtype):
+    """positions (B, T) → cos, sin (B, 1, T, D), computed in float32 like transformers."""
+    freqs = positions[..., None].float() * inv_freq  # (B, T, D/2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (B, T, D)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, layer_idx, dtype):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h, q_out, kv_out = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(h, q_out, bias=cfg.attention_bias, dtype=dtype)
+        self.k_proj = nn.Linear(h, kv_out, bias=cfg.attention_bias, dtype=dtype)
+        self.v_proj = nn.Linear(h, kv_out, bias=cfg.attention_bias, dtype=dtype)
+        self.o_proj = nn.Linear(q_out, h, bias=False, dtype=dtype)
+
+    def forward(self, x, cos, sin, cache=None):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if cache is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, Hq, T, D)
+        else:
+            out = cache.attend(self.layer_idx, q, k, v)  # (B, Hq, T, D)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg, dtype):
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias, dtype=dtype)
+        self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias, dtype=dtype)
+        self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias, dtype=dtype)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg, layer_idx, dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, dtype)
+
+    def forward(self, x, cos, sin, cache=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class KVCache:
+    """The plain static KV cache: k, v (L, B, Hkv, S, D) allocated once; `length` columns are
+    filled, the same number in every row (prompts are left-padded). `valid` (B, S) is False at
+    padding, which no query may attend to."""
+
+    def __init__(self, cfg, batch, max_len, dtype, device):
+        shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.valid = torch.ones(batch, max_len, dtype=torch.bool, device=device)
+        self.length = 0
+
+    def attend(self, layer, q, k, v):
+        s, T = self.length, q.shape[2]
+        if s + T > self.k.shape[3]:
+            raise ValueError(f"KV cache overflow: {s + T} tokens for a cache of {self.k.shape[3]}")
+        self.k[layer, :, :, s:s + T] = k
+        self.v[layer, :, :, s:s + T] = v
+        keys, values = self.k[layer, :, :, :s + T], self.v[layer, :, :, :s + T]  # (B, Hkv, S', D)
+        qpos = torch.arange(s, s + T, device=q.device)[:, None]  # (T, 1)
+        kpos = torch.arange(s + T, device=q.device)[None, :]  # (1, S')
+        # A padding query sees only itself, so that no row is fully masked (which would give NaN).
+        mask = (kpos <= qpos) & (self.valid[:, None, :s + T] | (kpos == qpos))  # (B, T, S')
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], enable_gqa=True)
+
+    def advance(self, T):
+        self.length += T
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg, dtype=torch.float32):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(Block(cfg, i, dtype) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+        self.gradient_checkpointing = False  # recompute each block in backward (train.py turns it on)
+
+    def _inv_freq(self, device=None):
+        d = self.config.head_dim
+        return 1.0 / (self.config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+
+    def materialize(self, device):
+        """Allocate the meta-device model on `device` (uninitialized), re-tying lm_head, which
+        to_empty would untie, and recomputing the rope frequencies, which are not in checkpoints."""
+        self.to_empty(device=device)
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.inv_freq = self._inv_freq(device)
+
+    @property
+    def dtype(self):
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self):
+        return self.embed_tokens.weight.device
+
+    def hidden(self, tokens, positions=None, cache=None):
+        """tokens (B, T) → final-normed hidden states (B, T, H), before lm_head."""
+        B, T = tokens.shape
+        if positions is None:
+            start = cache.length if cache is not None else 0
+            positions = torch.arange(start, start + T, device=tokens.device).expand(B, T)
+        x = self.embed_tokens(tokens)  # (B, T, H)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)  # (B, 1, T, D)
+        for layer in self.layers:
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(layer, x, cos, sin, cache, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, cache)
+        if cache is not None:
+            cache.advance(T)
+        return self.norm(x)
+
+    def forward(self, tokens, positions=None, cache=None):
+        """tokens (B, T) → logits (B, T, V)."""
+        return self.lm_head(self.hidden(tokens, positions, cache))
+
+    def swap_linears(self, make, filter):
+        """Replace every submodule for which filter(name, module) holds by make(name, module).
+        Names are dotted paths like 'layers.3.mlp.up_proj'. Returns the new modules by name."""
+        chosen = [(name, m) for name, m in self.named_modules() if name and filter(name, m)]
+        new = {}
+        for name, m in chosen:
+            parent_name, _, child = name.rpartition(".")
+            parent = self.get_submodule(parent_name) if parent_name else self
+            new[name] = make(name, m)
+            setattr(parent, child, new[name])
+        return new
+
+    @classmethod
+    def from_pretrained(cls, name_or_path, dtype=torch.bfloat16, device="cpu", quantize=False):
+        """Load an HF Qwen2/Llama folder, alias or hub id. NVFP4 folders load as NVFP4; with
+        quantize=True a bf16/fp32 folder is quantized to NVFP4 weight by weight as it loads."""
+        folder = resolve_model_dir(name_or_path)
+        with open(os.path.join(folder, "config.json")) as f:
+            raw = json.load(f)
+        cfg = Config(raw)
+        with torch.device("meta"):
+            model = cls(cfg, dtype)
+        if quantize or nvfp4.is_nvfp4_config(raw):
+            model.swap_linears(lambda name, m: fp4_gemm.QuantLinear(m.in_features, m.out_features, m.bias is not None,
+                                                                     dtype=dtype), fp4_gemm.is_decoder_linear)
+        model.materialize(device)
+        load_weights(model, folder, quantize_on_load=quantize and not nvfp4.is_nvfp4_config(raw))
+        return model.eval()
+
+    @classmethod
+    def from_random(cls, cfg, dtype=torch.bfloat16, device="cpu", quantize=False, seed=0, std=0.02):
+        """A model of cfg's shape with N(0, std) weights, built layer by layer on `device` (and
+        quantized layer by layer with quantize=True): for benchmarks of real shapes without weights."""
+        gen = torch.Generator(device=device).manual_seed(seed)
+        with torch.device("meta"):
+            model = cls(cfg, dtype)
+        if quantize:
+            model.swap_linears(lambda name, m: fp4_gemm.QuantLinear(m.in_features, m.out_features, m.bias is not None,
+                                                                     dtype=dtype), fp4_gemm.is_decoder_linear)
+        model.materialize(device)
+        for name, m in model.named_modules():
+            if isinstance(m, fp4_gemm.QuantLinear):
+                w = torch.randn(m.out_features, m.in_features, generator=gen, device=device, dtype=dtype) * std
+                _fill_quant(m, w, name)
+            elif isinstance(m, (nn.Linear, nn.Embedding)):
+                m.weight.data.normal_(0, std, generator=gen)
+            elif isinstance(m, RMSNorm):
+                m.weight.data.fill_(1.0)
+            if getattr(m, "bias", None) is not None:
+                m.bias.data.normal_(0, std, generator=gen)
+        return model.eval()
+
+
+def _fill_quant(m, w, name):
+    q = nvfp4.quantize(w, name=name)
+    m.weight_packed.copy_(q.packed)
+    m.weight_scale.copy_(q.scale)
+    m.weight_global_scale.copy_(q.global_scale)
+
+
+def hf_key(name):
+    """Our parameter name → the HF checkpoint's key (ours are HF's without the 'model.' prefix)."""
+    return name if name.startswith("lm_head.") else "model." + name
+
+
+def load_weights(model, folder, quantize_on_load=False):
+    """Fill `model` (already materialized, possibly with QuantLinears) from the folder's safetensors."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+    elif os.path.exists(os.path.join(folder, "model.safetensors")):
+        with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
+            weight_map = {k: "model.safetensors" for k in f.keys()}
+    else:
+        raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+    tied = model.config.tie_word_embeddings
+    # The explicit map: every tensor the model holds, by its checkpoint key.
+    wanted = {hf_key(n): t for n, t in model.state_dict().items() if not (tied and n == "lm_head.weight")}
+    quant_modules = {hf_key(n) + ".weight": (n, m) for n, m in model.named_modules()
+                     if isinstance(m, fp4_gemm.QuantLinear)} if quantize_on_load else {}
+    for key in quant_modules:  # these arrive as bf16 weights and are quantized here
+        for suffix in ("weight_packed", "weight_scale", "weight_global_scale"):
+            wanted.pop(key[: -len("weight")] + suffix)
+    missing = [k for k in list(wanted) + list(quant_modules) if k not in weight_map]
+    if missing:
+        raise KeyError(f"{folder}: checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[:5]}")
+    ignorable = lambda k: k.endswith("rotary_emb.inv_freq") or (tied and k == "lm_head.weight")
+    unexpected = [k for k in weight_map if k not in wanted and k not in quant_modules and not ignorable(k)]
+    if unexpected:
+        raise KeyError(f"{folder}: checkpoint has {len(unexpected)} tensors this architecture does not use, "
+                       f"e.g. {unexpected[:5]}; is config.json's model_type right?")
+    by_shard = {}
+    for key in list(wanted) + list(quant_modules):
+        by_shard.setdefault(weight_map[key], []).append(key)
+    for shard, keys in by_shard.items():
+        with safe_open(os.path.join(folder, shard), "pt") as f:
+            for key in keys:
+                src = f.get_tensor(key)
+                if key in quant_modules:
+                    name, m = quant_modules[key]
+                    expected = (m.out_features, m.in_features)
+                    if tuple(src.shape) != expected:
+                        raise ValueError(f"{key}: checkpoint shape {tuple(src.shape)} != model shape {expected}")
+                    _fill_quant(m, src.to(model.device), key)
+                    continue
+                dst = wanted[key]
+                if src.shape != dst.shape:
+                    raise ValueError(f"{key}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
+                dst.copy_(src.to(dst.dtype) if dst.is_floating_point() and dst.dtype.itemsize > 1 else src)
+
+
+def resolve_model_dir(name_or_path):
+    """A local folder, an alias ('qwen2.5-7b', 'tiny') or a hub id → a local folder with config.json.
+    Hub ids are fetched with huggingface_hub (from its cache when present)."""
+    target = ALIASES.get(name_or_path.lower(), name_or_path) if isinstance(name_or_path, str) else name_or_path
+    if os.path.isdir(target):
+        if not os.path.exists(os.path.join(target, "config.json")):
+            raise FileNotFoundError(f"{target} has no config.json; is it an HF model folder?")
+        return target
+    if os.path.sep in target.strip("/").split("/", 1)[-1] or target.startswith((".", "/")) or target.count("/") != 1:
+        raise FileNotFoundError(f"no model folder at {target!r}, and it is not a hub id (org/name) or an alias "
+                                f"({', '.join(sorted(ALIASES))})")
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.txt", "*.jinja", "tokenizer*"]
+    try:
+        return snapshot_download(target, allow_patterns=patterns, local_files_only=True)
+    except Exception:
+        pass
+    try:
+        return snapshot_download(target, allow_patterns=patterns)
+    except Exception as e:
+        raise RuntimeError(f"could not download {target!r} from the Hugging Face hub ({type(e).__name__}: {e}). "
+                           f"If this machine is offline, fetch it elsewhere with `huggingface-cli download {target} "
+                           f"--local-dir DIR`, copy DIR here and pass --model DIR.") from None
+
+
+def load_tokenizer(name_or_path):
+    """The checkpoint's tokenizer (with its chat template), through transformers."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_dir(name_or_path))

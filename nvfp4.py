@@ -1,0 +1,259 @@
+"""NVFP4: the 4-bit weight format that QeRL keeps its frozen base model in.
+
+A weight matrix W (N, K) is stored as three tensors, in the convention of compressed-tensors (the
+library behind llm-compressor and vLLM's NVFP4 loading), so that checkpoints written here load there:
+
+    packed        uint8          (N, K/2)   two E2M1 codes a byte; element 2i in the LOW nibble
+    scale         float8_e4m3fn  (N, K/16)  one scale per block of 16 consecutive elements of a row
+    global_scale  float32        (1,)       = 448 * 6 / amax(|W|)
+
+    W[n, k] ≈ e2m1(code[n, k]) * scale[n, k // 16] / global_scale
+
+E2M1 is a 4-bit float: 1 sign bit, 2 exponent bits, 1 mantissa bit. Its eight magnitudes are
+{0, 0.5, 1, 1.5, 2, 3, 4, 6}; the code is sign << 3 | index into that list. Cost: 4 bits a value plus
+8 bits per 16 values = 4.5 bits a weight, 3.56x fewer bytes than bf16.
+
+Why two levels of scale. E4M3 (max 448) has only 3 mantissa bits and a narrow exponent range, so the
+per-block scale amax_block / 6 (which maps the block's largest value onto E2M1's 6) is first
+multiplied by the per-tensor global_scale = 448*6/amax. The largest block then uses the top of E4M3's
+range (448) and small blocks keep their precision. Quantizing a block:
+
+    s      = fp8( global_scale * amax_block / 6 )         the stored block scale (0 → 0.125, see below)
+    code   = round_e2m1( w * global_scale / s )           round to nearest, ties to the even code
+    w_hat  = e2m1(code) * s / global_scale
+
+On Gaussian weights this gives a relative MSE ‖W − Ŵ‖² / ‖W‖² of about 0.009 (measured in
+tests/test_nvfp4.py); the error is dominated by E2M1's coarse grid, not by the FP8 scales.
+
+Departures and edge cases, each following compressed-tensors so that its quantizer and ours agree
+code for code:
+- Rounding uses the midpoints of the grid with ties to the even code: 0.25→0, 0.75→1, 1.25→1,
+  1.75→2, 2.5→2, 3.5→4, 5→4; values past 6 saturate to 6.
+- The sign is the sign bit of the input, so a small negative value rounds to "negative zero"
+  (code 8), which decodes to 0.
+- An all-zero tensor gets global_scale 1; a block whose scale rounds to 0 in FP8 stores 0.125 (FP8's
+  eps in compressed-tensors) instead, so that decoding never divides by zero.
+- K must be a multiple of 16 (every linear of the Qwen2.5 family is); otherwise quantize() raises
+  rather than padding silently. NaN or Inf in a weight raises with the tensor's name.
+
+This file is the pure format: quantize / dequantize / pack, and checkpoint I/O
+(`python nvfp4.py --model SRC --out DST`). It imports no kernel; the module that computes with
+these tensors, QuantLinear, lives with its kernels in fp4_gemm.py.
+"""
+import argparse
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+BLOCK = 16  # elements per FP8 block scale
+FP4_MAX = 6.0
+FP8_MAX = 448.0
+FP8_EPS = 0.125  # the scale compressed-tensors stores for a block whose scale rounds to zero
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# A value v >= threshold (or > threshold for the odd codes) rounds up past that grid midpoint.
+_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+# The decoder linears QeRL quantizes; embeddings, norms and lm_head stay in high precision.
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class NVFP4Tensor:
+    packed: torch.Tensor  # (N, K/2) uint8
+    scale: torch.Tensor  # (N, K/16) float8_e4m3fn
+    global_scale: torch.Tensor  # (1,) float32
+
+    @property
+    def shape(self):
+        return (self.packed.shape[0], self.packed.shape[1] * 2)
+
+    def to(self, device):
+        return NVFP4Tensor(self.packed.to(device), self.scale.to(device), self.global_scale.to(device))
+
+
+def e2m1_table(device=None, dtype=torch.float32):
+    """The 16 values a 4-bit code decodes to: codes 0-7 positive, 8-15 their negatives."""
+    pos = torch.tensor(E2M1_VALUES, dtype=dtype, device=device)
+    return torch.cat([pos, -pos])
+
+
+def round_to_e2m1(x):
+    """x (float32, already divided by its scale) → uint8 codes, round-to-nearest-even on the grid."""
+    mag = x.abs()
+    index = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+    for i, mid in enumerate(_MIDPOINTS):
+        # Crossing the midpoint between index i and i+1: a tie goes to the even index.
+        up = mag > mid if i % 2 == 0 else mag >= mid
+        index += up.to(torch.uint8)
+    sign = torch.signbit(x).to(torch.uint8)
+    return index | (sign << 3)
+
+
+def pack(codes):
+    """(N, K) codes → (N, K/2) bytes; element 2i in the low nibble, 2i+1 in the high nibble."""
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def unpack(packed):
+    """(N, K/2) bytes → (N, K) codes."""
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+
+
+def global_scale_of(w):
+    """448*6/amax as float32 of shape (1,); 1.0 for an all-zero tensor (as compressed-tensors)."""
+    amax = w.abs().max().float()
+    gs = FP8_MAX * FP4_MAX / amax if amax > 0 else torch.tensor(1.0)
+    return gs.reshape(1).to(torch.float32)
+
+
+def quantize(w, name="weight"):
+    """(N, K) float weight → NVFP4Tensor. `name` is only used in error messages."""
+    if w.dim() != 2:
+        raise ValueError(f"{name}: NVFP4 quantizes 2-D weights, got shape {tuple(w.shape)}")
+    n, k = w.shape
+    if k % BLOCK:
+        raise ValueError(f"{name}: in_features {k} is not a multiple of {BLOCK}, the NVFP4 block size; "
+                         f"pad the weight's columns with zeros to a multiple of {BLOCK} or keep this layer in bf16")
+    w = w.float()
+    if not torch.isfinite(w).all():
+        bad = (~torch.isfinite(w)).sum().item()
+        raise ValueError(f"{name}: {bad} NaN/Inf values in the weight; refusing to quantize a broken tensor")
+    gs = global_scale_of(w).to(w.device)
+    blocks = w.reshape(n, k // BLOCK, BLOCK)  # (N, K/16, 16)
+    amax = blocks.abs().amax(dim=-1)  # (N, K/16)
+    scale = (gs * (amax / FP4_MAX)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    scale = torch.where(scale.float() == 0, torch.tensor(FP8_EPS, device=w.device), scale.float())
+    scale = scale.to(torch.float8_e4m3fn)  # exact: 0.125 and every stored value are E4M3 numbers
+    scaled = blocks / (scale.float() / gs).unsqueeze(-1)  # (N, K/16, 16), now on E2M1's scale
+    codes = round_to_e2m1(scaled.clamp(-FP4_MAX, FP4_MAX)).reshape(n, k)
+    return NVFP4Tensor(pack(codes), scale, gs)
+
+
+def dequantize(q, dtype=torch.float32):
+    """NVFP4Tensor → (N, K) tensor of `dtype`, computed in float32: e2m1 * (scale / global_scale)."""
+    n, k = q.shape
+    values = e2m1_table(q.packed.device)[unpack(q.packed).long()]  # (N, K)
+    block_scale = q.scale.float() / q.global_scale.float()  # (N, K/16)
+    w = values.reshape(n, k // BLOCK, BLOCK) * block_scale.unsqueeze(-1)
+    return w.reshape(n, k).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint I/O in the compressed-tensors "nvfp4-pack-quantized" layout
+# ---------------------------------------------------------------------------------------------
+
+def quantization_config():
+    """The config.json entry that tells compressed-tensors / vLLM how the weights are stored
+    (weight-only NVFP4, i.e. the NVFP4A16 scheme; lm_head kept in high precision)."""
+    weights = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group",
+               "group_size": BLOCK, "dynamic": False, "observer": "minmax", "observer_kwargs": {},
+               "actorder": None, "block_structure": None, "scale_dtype": None, "zp_dtype": None}
+    group = {"targets": ["Linear"], "weights": weights, "input_activations": None,
+             "output_activations": None, "format": "nvfp4-pack-quantized"}
+    return {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+            "quantization_status": "compressed", "config_groups": {"group_0": group},
+            "ignore": ["lm_head"], "kv_cache_scheme": None, "global_compression_ratio": None}
+
+
+def is_nvfp4_config(config):
+    """True when an HF config dict describes a checkpoint written in this layout."""
+    qc = config.get("quantization_config") or {}
+    if qc.get("quant_method") != "compressed-tensors":
+        return False
+    formats = {qc.get("format")} | {g.get("format") for g in qc.get("config_groups", {}).values()}
+    return "nvfp4-pack-quantized" in formats
+
+
+def is_quantized_key(key):
+    """model.layers.3.mlp.up_proj.weight → True: the weights this format replaces."""
+    parts = key.split(".")
+    return key.endswith(".weight") and len(parts) >= 3 and parts[-2] in LINEAR_NAMES and ".layers." in key
+
+
+def _shards(src):
+    index = os.path.join(src, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            return sorted(set(json.load(f)["weight_map"].values()))
+    if os.path.exists(os.path.join(src, "model.safetensors")):
+        return ["model.safetensors"]
+    raise FileNotFoundError(f"{src}: no model.safetensors or model.safetensors.index.json found")
+
+
+def save_quantized(src, dst, progress=True):
+    """Quantize the decoder linears of the HF checkpoint folder `src` into `dst`, shard by shard
+    (one tensor in memory at a time, so a 32B model needs no 64 GB of RAM). Everything else
+    (embeddings, norms, lm_head, biases) is copied unchanged; tokenizer files come along.
+    The folder appears atomically: written under a temporary name, then renamed."""
+    from tqdm import tqdm
+
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    if config.get("quantization_config"):
+        raise ValueError(f"{src} is already quantized ({config['quantization_config'].get('quant_method')})")
+    shards = _shards(src)
+    parent = os.path.dirname(os.path.abspath(dst))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".nvfp4-", dir=parent)
+    weight_map = {}
+    total = 0
+    for shard in shards:
+        with safe_open(os.path.join(src, shard), "pt") as f:
+            total += len(f.keys())
+    bar = tqdm(total=total, desc="quantizing to NVFP4", unit="tensor", disable=not progress)
+    for i, shard in enumerate(shards):
+        out = {}
+        with safe_open(os.path.join(src, shard), "pt") as f:
+            for key in f.keys():
+                t = f.get_tensor(key)
+                if is_quantized_key(key):
+                    q = quantize(t, name=key)
+                    base = key[: -len("weight")]
+                    out[base + "weight_packed"] = q.packed
+                    out[base + "weight_scale"] = q.scale
+                    out[base + "weight_global_scale"] = q.global_scale
+                else:
+                    out[key] = t
+                bar.update(1)
+        name = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({k: v.contiguous() for k, v in out.items()}, os.path.join(tmp, name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in out})
+    bar.close()
+    if len(shards) > 1:
+        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
+    config["quantization_config"] = quantization_config()
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    for name in os.listdir(src):
+        if name.startswith("tokenizer") or name in ("vocab.json", "merges.txt", "special_tokens_map.json",
+                                                   "generation_config.json", "chat_template.jinja"):
+            shutil.copy(os.path.join(src, name), os.path.join(tmp, name))
+    if os.path.exists(dst):
+        shutil.rmtree(dst)
+    os.replace(tmp, dst)
+    return dst
+
+
+def main():
+    parser = argparse.ArgumentParser(description="Quantize an HF Qwen2/Llama checkpoint's decoder linears to NVFP4 "
+                                                 "(compressed-tensors nvfp4-pack-quantized layout).")
+    parser.add_argument("--model", required=True, help="local HF folder, alias (qwen2.5-7b, tiny) or hub id")
+    parser.add_argument("--out", required=True, help="output folder (replaced if it exists)")
+    args = parser.parse_args()
+    from model import resolve_model_dir  # only the CLI needs the alias/hub resolver
+
+    src = resolve_model_dir(args.model)
+    save_quantized(src, args.out)
+    mb = sum(os.path.getsize(os.path.join(args.out, f)) for f in os.listdir(args.out)) / 2**20
+    print(f"wrote {args.out} ({mb:.1f} MiB)")
+
+
+if __name__ == "__main__":
+    main()
