@@ -1,0 +1,172 @@
+"""DAPO: GRPO with clip-higher, a token-level loss, dynamic sampling and overlong shaping.
+
+DAPO (Yu et al. 2025, arXiv 2503.14476, "Decoupled Clip and Dynamic sAmpling Policy Optimization")
+keeps GRPO's group-relative advantages (grpo.group_advantages) and changes four things (§3):
+
+1. Clip-higher (§3.1). The symmetric clip [1 - eps, 1 + eps] caps how much a token's probability can
+   grow in one step in RELATIVE terms, so an unlikely token (p = 0.01) can only reach 0.012: the
+   clip starves exploration and entropy collapses. DAPO decouples the bounds and raises the upper
+   one: eps_low = 0.2, eps_high = 0.28.
+
+2. Dynamic sampling (§3.2). A group whose G rewards are all equal has all advantages 0 and gives no
+   gradient, yet still counts in the batch (a shrinking effective batch as accuracy rises). DAPO
+   over-samples prompts, drops such groups, and keeps sampling until the batch holds the wanted
+   number of informative groups:  0 < |{o_i : correct}| < G.
+
+       informative_groups(rewards)               (num_groups, G) -> (num_groups,) bool
+       collect_informative(sample_fn, want, max_rounds)
+
+   The protocol of collect_informative: sample_fn(round) -> (items, rewards) with items a list of
+   num_groups per-group objects (whatever the caller needs later: prompts, tokens, logprobs...)
+   and rewards a (num_groups, G) tensor; it returns (items, rewards, report) with only informative
+   groups, in the order sampled, truncated to `want`.
+
+3. Token-level policy gradient loss (§3.3). GRPO averages tokens within a sequence, then averages
+   sequences, so a token of a long completion weighs less than one of a short completion: long
+   rambling or repetitive answers are punished too weakly. DAPO averages over all tokens of the batch:
+
+       L = 1 / sum_i |o_i|  *  sum_i sum_t l_it               grpo's agg="token-mean"
+
+   With gradient accumulation the divisor is the token count of the whole batch, passed as
+   num_tokens (see grpo.py).
+
+4. Overlong reward shaping (§3.4). Truncated completions are not necessarily wrong, so punishing
+   them with the "wrong answer" reward is noise. Two remedies:
+   - overlong filtering: mask the loss of truncated samples (overlong_filter_mask /
+     apply_overlong_filter);
+   - soft overlong punishment, added to the task reward (eq. 13), with L_max the generation budget
+     and L_cache the width of the soft band:
+
+       R_length(y) =  0                                  |y| <= L_max - L_cache
+                      ((L_max - L_cache) - |y|) / L_cache   L_max - L_cache < |y| <= L_max
+                      -1                                 L_max < |y|
+
+     (continuous: -1 exactly at |y| = L_max, so a sampler capped at L_max never sees the third case.)
+
+And no KL term (§2.3): with long chain-of-thought the policy is meant to drift far from the initial
+model, so beta = 0 and no reference forward is needed.
+
+What is kept and what is not, and why:
+- Kept: all four techniques and beta = 0, with the paper's defaults (0.2 / 0.28, token-mean).
+- Dynamic sampling here PROCEEDS with what it has after max_rounds and reports that it fell short
+  (the caller prints "fell short"); the paper just keeps sampling and verl's DAPO recipe raises an
+  error after its maximum number of generation batches. For a small single-GPU run, training on a
+  slightly smaller batch beats crashing or looping forever on a task that became too easy/hard.
+- The filter looks at whatever rewards the caller passes. The paper's rewards are ±1 correctness;
+  once the overlong penalty is added, two completions with equal correctness but different lengths
+  differ, so pass the correctness rewards if you want the paper's filter ("acc" in verl's recipe).
+- Overlong filtering only masks the loss; the truncated samples still count in their group's mean
+  and std (the advantages are computed before the mask is applied), as in the paper.
+- Not kept: the paper's rule-based ±1 reward and its data (DAPO-Math-17K) belong to the task code;
+  the dual clip (verl's, not DAPO's) is available through grpo.policy_loss's dual_clip, off here.
+Pure torch plus grpo.py; tested alone in tests/test_dapo.py.
+"""
+from dataclasses import dataclass
+
+import torch
+
+import grpo
+
+EPS_LOW = 0.2
+EPS_HIGH = 0.28
+
+
+def policy_loss(logp, old_logp, advantages, mask, *, eps_low=EPS_LOW, eps_high=EPS_HIGH, agg="token-mean",
+                beta=0.0, **kwargs):
+    """grpo.policy_loss with DAPO's defaults: clip-higher (0.2, 0.28), token-mean, no KL."""
+    return grpo.policy_loss(logp, old_logp, advantages, mask, eps_low=eps_low, eps_high=eps_high, agg=agg,
+                            beta=beta, **kwargs)
+
+
+def informative_groups(rewards):
+    """(num_groups, G) rewards -> (num_groups,) bool: True where the group's rewards are not all equal."""
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be (num_groups, G), got shape {tuple(rewards.shape)}")
+    if rewards.shape[1] == 0:
+        return torch.zeros(rewards.shape[0], dtype=torch.bool, device=rewards.device)
+    return rewards.amax(dim=1) != rewards.amin(dim=1)
+
+
+@dataclass
+class CollectReport:
+    """What collect_informative did; fell_short means fewer than `want` groups came back."""
+    rounds: int  # calls made to sample_fn
+    groups_seen: int  # groups returned by sample_fn over all rounds
+    groups_filtered: int  # of those, dropped as uninformative (all rewards equal)
+    groups_kept: int  # returned to the caller (<= want)
+    groups_surplus: int  # informative groups beyond `want`, dropped by the truncation
+    want: int
+    fell_short: bool
+
+
+def collect_informative(sample_fn, want, max_rounds):
+    """Call sample_fn(round) for round = 0, 1, ... and keep informative groups until `want` are held.
+
+    sample_fn(round) -> (items, rewards): items a list with one entry per group, rewards a
+    (num_groups, G) tensor (G fixed across rounds). Stops once `want` informative groups are held or
+    after `max_rounds` calls, whichever comes first. Returns (items, rewards, report): the first
+    `want` informative groups in sampling order (fewer if it fell short), their (k, G) rewards, and a
+    CollectReport.
+    """
+    if want < 0 or max_rounds < 1:
+        raise ValueError(f"need want >= 0 and max_rounds >= 1, got want={want}, max_rounds={max_rounds}")
+    kept_items, kept_rewards = [], []
+    seen = filtered = held = rounds = 0
+    template = None  # the first rewards tensor, for the shape and dtype of an empty result
+    while held < want and rounds < max_rounds:
+        items, rewards = sample_fn(rounds)
+        rounds += 1
+        items = list(items)
+        if rewards.dim() != 2 or rewards.shape[0] != len(items):
+            raise ValueError(f"sample_fn returned {len(items)} items and rewards of shape "
+                             f"{tuple(rewards.shape)}; want (num_items, G)")
+        if template is None:
+            template = rewards
+        elif rewards.shape[1] != template.shape[1]:
+            raise ValueError(f"group size changed between rounds: {template.shape[1]} then {rewards.shape[1]}")
+        keep = informative_groups(rewards)  # (num_groups,)
+        seen += len(items)
+        filtered += int((~keep).sum())
+        idx = keep.nonzero().flatten().tolist()
+        kept_items.extend(items[i] for i in idx)
+        kept_rewards.append(rewards[keep])  # (k_round, G)
+        held += len(idx)
+    surplus = max(held - want, 0)
+    out_items = kept_items[:want]
+    if kept_rewards:
+        out_rewards = torch.cat(kept_rewards, dim=0)[:want]  # (k, G)
+    else:  # want == 0: nothing was sampled
+        out_rewards = torch.zeros(0, 0)
+    report = CollectReport(rounds=rounds, groups_seen=seen, groups_filtered=filtered,
+                           groups_kept=len(out_items), groups_surplus=surplus, want=want,
+                           fell_short=len(out_items) < want)
+    return out_items, out_rewards, report
+
+
+def overlong_penalty(lengths, max_len, cache_len, dtype=None):
+    """Soft overlong punishment (DAPO eq. 13) per completion length; (B,) ints -> (B,) floats in [-1, 0].
+
+    cache_len = 0 degenerates to the hard rule: 0 up to max_len, -1 beyond.
+    """
+    if not 0 <= cache_len <= max_len:
+        raise ValueError(f"need 0 <= cache_len <= max_len, got cache_len={cache_len}, max_len={max_len}")
+    lengths = torch.as_tensor(lengths)
+    dtype = dtype or torch.get_default_dtype()
+    n = lengths.to(dtype)  # (B,)
+    start = float(max_len - cache_len)  # the soft band is (start, max_len]
+    if cache_len > 0:
+        soft = (start - n) / float(cache_len)  # (B,)
+    else:
+        soft = torch.zeros_like(n)  # the band is empty; the value is never selected
+    return torch.where(n <= start, torch.zeros_like(n), torch.where(n <= max_len, soft, -torch.ones_like(n)))
+
+
+def overlong_filter_mask(truncated):
+    """(B,) bool truncated flags (finish reason "length") -> (B,) bool: True for samples to keep."""
+    return ~torch.as_tensor(truncated, dtype=torch.bool)
+
+
+def apply_overlong_filter(mask, truncated):
+    """Zero the (B, T) loss mask on truncated samples (overlong filtering); keeps the mask's dtype."""
+    keep = overlong_filter_mask(truncated).to(mask.device)  # (B,)
+    return mask * keep[:, None].to(mask.dtype) if mask.dtype != torch.bool else mask & keep[:, None]
