@@ -1,0 +1,1243 @@
+"""Rollout: a batched, KV-cached sampler built to decode at the memory-bandwidth floor.
+
+RL for LLMs spends most of its time here. Decoding one token for B sequences reads every weight once
+(4.76 GB a step for Qwen2.5-7B in NVFP4, 14.1 GB in bf16) and does ~2 FLOPs per weight per sequence,
+so up to B ~ 100 a step is memory-bound: its floor is bytes / bandwidth, and everything else (kernel
+launches, Python, reading padding in the cache) is overhead to remove. This file is that sampler.
+
+    generate(model, prompts, n=G, max_new_tokens, temperature, top_p, top_k, stop_ids, seed) -> Rollout
+
+The layout, for P prompts of lengths l_i, n samples each (N = P·n rows, row r = i·n + j):
+
+    cache k, v      (L, N, Hkv, S, D)   allocated once per (N, S) and reused across calls
+    prompts         left-padded to Lp = max l_i, so every row writes the same column at every step
+    positions       row i's real tokens sit at positions 0 … l_i − 1 whatever its padding pad_i = Lp − l_i
+    prefill         each distinct prompt ONCE (P rows, through the model's own forward), its K/V written
+                    to its n rows of the cache; the first token of each row is sampled from those logits
+    decode step t   token t−1 of every row enters at column Lp + t − 1, position l_i + t − 1; the row
+                    attends to columns [pad_i, Lp + t − 1]; one token per row is sampled
+
+Attention reads only the columns that exist. The decode-attention kernel takes the current column
+from a device counter and splits the sequence into chunks (flash-decoding: one program per (row, kv
+head, chunk), then a combine), so a step costs in proportion to the tokens present, not to the
+cache's capacity S; a finished row reads nothing. The grouped-query heads of one kv head share each
+K/V load (a 16-row tl.dot).
+
+One decode step is one CUDA graph. Everything in it reads fixed addresses: the token buffer, the
+counters (current column and step), the cache, the sampler's outputs. So the host replays the graph
+max_new_tokens − 1 times and looks at the device only every few steps (to stop early once every row
+has finished). The step per layer, with the launches it costs:
+
+    h       = add_rmsnorm(x, delta, w1)              1   residual add + RMSNorm (Triton)
+    qkv     = fused q|k|v GEMM (+ bias)              1   QuantLinear.concat, or one cat'ed bf16 weight
+    a       = h @ [A_q; A_k; A_v]^T                  2   the three LoRA A's side by side (cuBLAS: split-K
+                                                         GEMM + reduce)
+    q, k, v = rope_write(qkv + a·B^T)                1   LoRA B, rotary embedding, K/V into the cache
+    o       = attention(q, cache) (split + combine)  2
+    delta   = o_proj(o) + (o @ A_o^T) @ B_o^T         4   base GEMM, LoRA A (2), LoRA B fused with the add
+    h       = add_rmsnorm(x, delta, w2)              1
+    gu      = fused gate|up GEMM                     1
+    a       = h @ [A_g; A_u]^T                       2
+    act     = silu_mul(gu + a·B^T)                   1   LoRA B, SiLU, product
+    delta   = down(act) + LoRA                       4
+
+so 20 launches a layer (566 a step for Qwen2.5-7B, counted by the profiler). LoRA stays unmerged (the adapters change every RL step; merging would mean
+re-quantizing the base): its A's and B's are copied at the start of every generate() call, in the
+model's dtype and with alpha/r folded into B, into buffers the graph reads. AQN (aqn.py) perturbs the
+RMSNorm weights in place; the step reads those weights where they live, so the noise is active in
+the graph too. The base GEMMs are fp4_gemm's kernels (or cuBLAS for a bf16 base), unchanged.
+
+Sampling, inside the graph. With z = logits / T (float32):
+
+    logprob(token) = z[token] − logsumexp(z)            the distribution BEFORE top-p / top-k
+    token = argmax_v { z[v] + g[v] : v in the kept set }   g[v] ~ Gumbel(0, 1)   (Gumbel-max)
+
+Gumbel-max draws exactly from softmax(z) restricted to the kept set (top-k: the k largest z; top-p:
+the smallest prefix of the sorted distribution whose mass reaches p), i.e. from the truncated,
+renormalized distribution, as HF's warpers do. The logprob is the one the trainer recomputes from
+a full forward (log_softmax(logits / T)); it is not the truncated distribution's. Temperature 0 is
+greedy (argmax of the logits) and its logprobs are those of softmax(logits), T = 1.
+
+The Gumbel noise comes from a counter-based hash of (seed, row, step, vocab index) (lowbias32, two
+rounds), computed in the kernel: no RNG state to carry through a graph, the same seed gives the
+same tokens on every call, and the CPU path draws the same numbers (up to log() rounding).
+
+Finished rows. A row that samples a stop token is done: later steps write pad_id and logprob 0 for
+it, its attention reads nothing, and its GEMM rows ride along for free (the step is memory-bound).
+The host stops the loop when every row is done (checked every `check_every` steps).
+
+On the CPU (tests) the same step runs eagerly with torch ops in place of the Triton kernels; each
+fused op below has its torch reference next to its kernel, and the tests run both (the kernels
+through Triton's interpreter).
+
+Measured (H200, Qwen2.5-7B shape, NVFP4 + LoRA r32 + AQN, results/rollout_h200.md): batch 1 runs
+at 5.06 ms a step against a 1.16 ms floor. Of its 4.71 ms of kernel time, fp4_gemm's GEMMs take 3.17
+(3.67 GB at 1.16 TB/s), cuBLAS 1.06 (lm_head ~0.26, the 112 small LoRA-A GEMMs + their split-K
+reduces and the 56 LoRA-B adds the rest), this file's kernels 0.47; gaps between the 566 graphed
+launches 0.35. Without the graph the same step costs 72 ms (Python and launch overhead); with torch
+ops instead of the Triton kernels 8.7 ms (batch 1) and 15.0 ms instead of 9.3 (batch 64: the torch
+attention reads the whole cache). What remains, in order: the fp4 GEMMs at bandwidth, then the
+LoRA-A products fused into the kernels that produce their inputs (deterministic split-K partials
+summed by the consumer kernels) instead of 4 cuBLAS calls + 4 reduces a layer.
+
+Departures. vLLM (which the official QeRL code uses) pages its KV cache and batches continuously;
+here a batch is static and every row shares the cache's column index (left padding), which keeps the
+kernels simple and the graph fixed. LoRA is computed in the model's dtype with fp32 accumulation
+(lora.py's forward keeps the adapters in fp32): the difference is at the rounding of the bf16
+output. The base weights of q/k/v and gate/up are stacked into copies once per model (about 3.3 GB
+extra for 7B in NVFP4; `release(model)` frees them and the caches).
+
+    python rollout.py --model qwen2.5-7b --prompt "What is 17 * 23?" --quant nvfp4
+    python rollout.py --bench                  # the H200 table in results/rollout_h200.md
+"""
+import argparse
+import math
+import sys
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fp4_gemm  # imported before triton: on a CPU-only machine it switches Triton's interpreter on
+from model import Transformer, load_tokenizer, qwen25_config
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the torch path still works; kernels="triton" will refuse
+    triton = None
+    tl = SimpleNamespace(constexpr=None)
+
+
+# ---------------------------------------------------------------------------------------------
+# The result
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Rollout:
+    """N = len(prompts) * n completions; row i*n + j is sample j of prompt i.
+
+    tokens    (N, T) int64    completions, right-padded with pad_id; a stop token is included
+    logprobs  (N, T) float32  log-prob of each sampled token under softmax(logits / T), before top-p /
+                              top-k truncation (what the trainer recomputes); 0 at padding
+    lengths   (N,)   int64    completion lengths (stop token included)
+    finish    list of "stop" (a stop token was sampled) or "length" (max_new_tokens reached)
+    prompt_index (N,) int64   which prompt each row continues
+    stats     timings and what ran (prefill_s, decode_s, steps, graphs, kernels, ...)
+    """
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    lengths: torch.Tensor
+    finish: list
+    prompt_index: torch.Tensor
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def mask(self):
+        """(N, T) bool: True at completion tokens, False at padding."""
+        return torch.arange(self.tokens.shape[1], device=self.lengths.device)[None] < self.lengths[:, None]
+
+    def texts(self, tokenizer, skip_special_tokens=True):
+        """The completions decoded (the stop token dropped with skip_special_tokens if it is special)."""
+        return [tokenizer.decode(self.tokens[i, : int(self.lengths[i])].tolist(), skip_special_tokens=skip_special_tokens)
+                for i in range(self.tokens.shape[0])]
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling: the counter-based RNG and the torch reference sampler
+# ---------------------------------------------------------------------------------------------
+
+M32 = 0xFFFFFFFF
+
+
+def _mul32(x, c):
+    """(x * c) mod 2^32 for int64 tensors x in [0, 2^32) and a constant c < 2^32, without overflowing
+    int64 (the product is split at 16 bits)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & M32
+
+
+def mix32(x):
+    """lowbias32 (Chris Wellons' integer hash): a bijection on 32-bit values with good avalanche."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def row_keys(seed, rows):
+    """One 32-bit key per row (int64 tensor of row ids) from a 64-bit seed."""
+    s = mix32(torch.tensor((seed & M32) ^ 0x9E3779B9, dtype=torch.int64))
+    s = mix32(s ^ ((seed >> 32) & M32))
+    return mix32((s + rows) & M32)
+
+
+def gumbel_noise(rowkey, step, V):
+    """(N, V) float32 Gumbel(0, 1) noise for one sampling step: a pure function of (row key, step, v).
+    The Triton sampler computes the same bits."""
+    ka = mix32((rowkey + step) & M32)  # (N,)
+    kb = mix32(ka ^ 0x68E31DA4)
+    v = torch.arange(V, device=rowkey.device)
+    h = mix32(mix32((v[None] + ka[:, None]) & M32) ^ kb[:, None])  # (N, V)
+    u = ((h >> 8).float() + 0.5) * 2.0 ** -24  # uniform in (0, 1), 24 random bits
+    return -torch.log(-torch.log(u))
+
+
+def truncation_threshold(z, top_p, top_k):
+    """z (N, V) = logits / T → (N,) float32: the smallest z a token may have to be sampled (−inf: all).
+    top-k keeps the k largest; top-p the shortest prefix of the sorted distribution whose mass
+    reaches top_p (a token is kept when the mass strictly before it is < top_p). Ties at the
+    threshold are all kept."""
+    thr = torch.full(z.shape[:1], float("-inf"), device=z.device)
+    if top_k and top_k < z.shape[-1]:
+        thr = torch.topk(z, top_k, dim=-1).values[:, -1]
+    if top_p < 1.0:
+        zs = torch.sort(z, dim=-1, descending=True).values  # (N, V)
+        p = torch.softmax(zs, dim=-1)
+        before = torch.cumsum(p, dim=-1) - p  # mass strictly before each sorted token
+        count = (before < top_p).sum(-1).clamp(min=1)  # (N,)
+        thr = torch.maximum(thr, zs.gather(1, (count - 1)[:, None])[:, 0])
+    return thr.contiguous()  # (N,): the Triton sampler reads it with stride 1
+
+
+def sample_reference(logits, rowkey, step, temperature=1.0, top_p=1.0, top_k=0):
+    """The sampler's math on full rows, in torch: logits (N, V) → tokens (N,), logprobs (N,)."""
+    greedy = temperature == 0
+    z = logits.float() * (1.0 if greedy else 1.0 / temperature)  # (N, V)
+    lse = torch.logsumexp(z, dim=-1)
+    if greedy:
+        tok = z.argmax(-1)
+    else:
+        cand = z + gumbel_noise(rowkey, step, z.shape[-1])
+        if top_p < 1.0 or top_k:
+            cand = torch.where(z >= truncation_threshold(z, top_p, top_k)[:, None], cand, float("-inf"))
+        tok = cand.argmax(-1)
+    return tok, z.gather(1, tok[:, None])[:, 0] - lse
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels (each mirrors a torch reference in Decoder below)
+# ---------------------------------------------------------------------------------------------
+
+def _jit(fn):
+    return triton.jit(fn) if triton is not None else fn
+
+
+@_jit
+def _add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, xout_ptr, out_ptr, H, eps,
+                        HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+    """One row: x += delta (rounded to the model dtype, as the model's residual add), then RMSNorm."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    m = offs < H
+    x = tl.load(x_ptr + row * H + offs, mask=m, other=0.0)
+    if HAS_DELTA:
+        dx = tl.load(d_ptr + row * H + offs, mask=m, other=0.0)
+        x = (x.to(tl.float32) + dx.to(tl.float32)).to(xout_ptr.dtype.element_ty)
+        tl.store(xout_ptr + row * H + offs, x, mask=m)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / H
+    y = xf * tl.rsqrt(var + eps) * tl.load(w_ptr + offs, mask=m, other=0.0)
+    tl.store(out_ptr + row * H + offs, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@_jit
+def _rope_write_kernel(qkv_ptr, a_ptr, b_ptr, cos_ptr, sin_ptr, pad_ptr, counters_ptr, q_ptr, kc_ptr, vc_ptr,
+                       M, S, Hq, Hkv, A_STRIDE, D: tl.constexpr, R: tl.constexpr, BM: tl.constexpr,
+                       HAS_LORA: tl.constexpr, PREC: tl.constexpr):
+    """Program (row block, head j of q|k|v): add the head's LoRA B product, rotate q and k by their
+    positions, store q to q_ptr (M, Hq, D) and k / v into this layer's cache at the current column."""
+    pm = tl.program_id(0)
+    j = tl.program_id(1)
+    HALF: tl.constexpr = D // 2
+    rows = pm * BM + tl.arange(0, BM)
+    rm = rows < M
+    d = tl.arange(0, HALF)
+    nqkv = (Hq + 2 * Hkv) * D
+    c0 = j * D
+    x1 = tl.load(qkv_ptr + rows[:, None] * nqkv + c0 + d[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+    x2 = tl.load(qkv_ptr + rows[:, None] * nqkv + c0 + HALF + d[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+    if HAS_LORA:
+        sec = (j >= Hq).to(tl.int32) + (j >= Hq + Hkv).to(tl.int32)  # which of A_q, A_k, A_v fed this head
+        r = tl.arange(0, R)
+        a = tl.load(a_ptr + rows[:, None] * A_STRIDE + sec * R + r[None, :], mask=rm[:, None], other=0.0)  # (BM, R)
+        b1 = tl.load(b_ptr + (c0 + d)[None, :] * R + r[:, None])  # (R, HALF): B^T for this head's first half
+        b2 = tl.load(b_ptr + (c0 + HALF + d)[None, :] * R + r[:, None])
+        x1 += tl.dot(a, b1, input_precision=PREC)
+        x2 += tl.dot(a, b2, input_precision=PREC)
+    dt = q_ptr.dtype.element_ty
+    x1 = x1.to(dt).to(tl.float32)  # the projection's output in the model dtype, as the model rounds it
+    x2 = x2.to(dt).to(tl.float32)
+    col = tl.load(counters_ptr)
+    if j < Hq + Hkv:  # q and k are rotated: (x1, x2) → (x1 cos − x2 sin, x2 cos + x1 sin)
+        pos = col - tl.load(pad_ptr + rows, mask=rm, other=0)
+        c = tl.load(cos_ptr + pos[:, None] * HALF + d[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + pos[:, None] * HALF + d[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+        y1 = x1 * c - x2 * s
+        y2 = x2 * c + x1 * s
+    else:
+        y1 = x1
+        y2 = x2
+    if j < Hq:
+        dst = q_ptr + rows[:, None] * (Hq * D) + j * D
+    elif j < Hq + Hkv:
+        dst = kc_ptr + ((rows[:, None] * Hkv + (j - Hq)) * S + col) * D
+    else:
+        dst = vc_ptr + ((rows[:, None] * Hkv + (j - Hq - Hkv)) * S + col) * D
+    tl.store(dst + d[None, :], y1.to(dt), mask=rm[:, None])
+    tl.store(dst + HALF + d[None, :], y2.to(dt), mask=rm[:, None])
+
+
+@_jit
+def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, pad_ptr, done_ptr, counters_ptr, m_ptr, l_ptr, acc_ptr,
+                         sm_scale, S, Hkv, NSPLIT, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                         CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+    """Program (row b, kv head h, chunk c): online softmax of the G query heads of h over the cache
+    columns [max(c·CHUNK, pad_b), min((c+1)·CHUNK, col + 1)); writes its partial max, sum and
+    weighted values. Columns past the current one are never read; a finished row reads nothing."""
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = bh // Hkv
+    h = bh % Hkv
+    length = tl.load(counters_ptr) + 1
+    lo = tl.maximum(split * CHUNK, tl.load(pad_ptr + b))
+    hi = tl.minimum(split * CHUNK + CHUNK, length)
+    hi = tl.where(tl.load(done_ptr + b) != 0, lo, hi)
+    g = tl.arange(0, G_PAD)
+    gm = g < G
+    d = tl.arange(0, D)
+    qrow = b * (Hkv * G) + h * G + g  # (G_PAD,) rows of q (M·Hq, D)
+    q = tl.load(q_ptr + qrow[:, None] * D + d[None, :], mask=gm[:, None], other=0.0)  # (G_PAD, D)
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    base = (b * Hkv + h).to(tl.int64) * S * D
+    for n0 in range(lo, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nm = n < hi
+        k = tl.load(kc_ptr + base + n[:, None] * D + d[None, :], mask=nm[:, None], other=0.0)  # (BLOCK_N, D)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * sm_scale  # (G_PAD, BLOCK_N)
+        s = tl.where(nm[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(vc_ptr + base + n[:, None] * D + d[None, :], mask=nm[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m_i = m_new
+    out = qrow * NSPLIT + split
+    tl.store(m_ptr + out, m_i, mask=gm)
+    tl.store(l_ptr + out, l_i, mask=gm)
+    tl.store(acc_ptr + out[:, None] * D + d[None, :], acc, mask=gm[:, None])
+
+
+@_jit
+def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, NSPLIT, NS_PAD: tl.constexpr, D: tl.constexpr):
+    """Program (row, q head): merge the chunks' partial softmaxes into the attention output."""
+    row = tl.program_id(0)
+    s = tl.arange(0, NS_PAD)
+    sm = s < NSPLIT
+    d = tl.arange(0, D)
+    m = tl.load(m_ptr + row * NSPLIT + s, mask=sm, other=float("-inf"))
+    mx = tl.max(m, 0)
+    w = tl.where(m > float("-inf"), tl.exp(m - mx), 0.0)  # empty chunks (and finished rows) weigh 0
+    den = tl.sum(tl.load(l_ptr + row * NSPLIT + s, mask=sm, other=0.0) * w, 0)
+    acc = tl.load(acc_ptr + (row * NSPLIT + s)[:, None] * D + d[None, :], mask=sm[:, None], other=0.0)
+    o = tl.sum(acc * w[:, None], 0) / tl.maximum(den, 1e-30)
+    tl.store(out_ptr + row * D + d, o.to(out_ptr.dtype.element_ty))
+
+
+@_jit
+def _silu_mul_kernel(gu_ptr, a_ptr, b_ptr, out_ptr, M, I, A_STRIDE, R: tl.constexpr, BM: tl.constexpr,
+                     BN: tl.constexpr, HAS_LORA: tl.constexpr, PREC: tl.constexpr):
+    """Tile (rows, cols) of silu(gate) * up, with gate|up = the fused GEMM's output + LoRA B products."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    rm = rows < M
+    cm = cols < I
+    mk = rm[:, None] & cm[None, :]
+    g = tl.load(gu_ptr + rows[:, None] * (2 * I) + cols[None, :], mask=mk, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + rows[:, None] * (2 * I) + I + cols[None, :], mask=mk, other=0.0).to(tl.float32)
+    if HAS_LORA:
+        r = tl.arange(0, R)
+        ag = tl.load(a_ptr + rows[:, None] * A_STRIDE + r[None, :], mask=rm[:, None], other=0.0)  # (BM, R)
+        au = tl.load(a_ptr + rows[:, None] * A_STRIDE + R + r[None, :], mask=rm[:, None], other=0.0)
+        bg = tl.load(b_ptr + cols[None, :] * R + r[:, None], mask=cm[None, :], other=0.0)  # (R, BN)
+        bu = tl.load(b_ptr + (I + cols)[None, :] * R + r[:, None], mask=cm[None, :], other=0.0)
+        g += tl.dot(ag, bg, input_precision=PREC)
+        u += tl.dot(au, bu, input_precision=PREC)
+    dt = out_ptr.dtype.element_ty
+    g = g.to(dt).to(tl.float32)
+    u = u.to(dt).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # F.silu in the model dtype, then the product
+    tl.store(out_ptr + rows[:, None] * I + cols[None, :], (act * u).to(dt), mask=mk)
+
+
+@_jit
+def _mix32_tl(x):
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@_jit
+def _sample_partial_kernel(logits_ptr, V, inv_t, thr_ptr, rowkey_ptr, counters_ptr, pm_ptr, ps_ptr, pbest_ptr,
+                           pidx_ptr, NSPLIT, CHUNK: tl.constexpr, BLOCK: tl.constexpr, GREEDY: tl.constexpr,
+                           TRUNC: tl.constexpr):
+    """Program (row b, vocab chunk): running max and sum of exp(z) over the chunk (for logsumexp) and
+    the chunk's best candidate, argmax of z + Gumbel noise (of z when greedy) over the kept tokens."""
+    b = tl.program_id(0)
+    sp = tl.program_id(1)
+    step = tl.load(counters_ptr + 1)
+    ka = _mix32_tl(((tl.load(rowkey_ptr + b) + step) & 0xFFFFFFFF).to(tl.uint32))
+    kb = _mix32_tl(ka ^ 0x68E31DA4)
+    if TRUNC:
+        thr = tl.load(thr_ptr + b)
+    m = tl.full([], float("-inf"), tl.float32)
+    ssum = tl.zeros([], tl.float32)
+    best = tl.full([], float("-inf"), tl.float32)
+    best_i = tl.zeros([], tl.int32)
+    for off in range(0, CHUNK, BLOCK):
+        idx = sp * CHUNK + off + tl.arange(0, BLOCK)
+        vm = idx < V
+        z = tl.load(logits_ptr + b.to(tl.int64) * V + idx, mask=vm, other=float("-inf")).to(tl.float32) * inv_t
+        m_new = tl.maximum(m, tl.max(z, 0))
+        safe = m_new > float("-inf")
+        ssum = tl.where(safe, ssum * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0), 0.0)
+        m = m_new
+        cand = z
+        if not GREEDY:
+            hsh = _mix32_tl(_mix32_tl(idx.to(tl.uint32) + ka) ^ kb)
+            u = ((hsh >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08  # 2^-24
+            cand = z - tl.log(-tl.log(u))
+            if TRUNC:
+                cand = tl.where(z >= thr, cand, float("-inf"))
+        cand = tl.where(vm, cand, float("-inf"))
+        cb = tl.max(cand, 0)
+        ci = tl.argmax(cand, 0, tie_break_left=True).to(tl.int32) + sp * CHUNK + off
+        better = cb > best
+        best_i = tl.where(better, ci, best_i)
+        best = tl.where(better, cb, best)
+    o = b * NSPLIT + sp
+    tl.store(pm_ptr + o, m)
+    tl.store(ps_ptr + o, ssum)
+    tl.store(pbest_ptr + o, best)
+    tl.store(pidx_ptr + o, best_i)
+
+
+@_jit
+def _sample_final_kernel(logits_ptr, V, inv_t, pm_ptr, ps_ptr, pbest_ptr, pidx_ptr, NSPLIT, counters_ptr,
+                         done_ptr, stopped_ptr, lengths_ptr, stops_ptr, pad_id, tok_ptr, out_tok_ptr, out_lp_ptr,
+                         OUT_STRIDE, NS_PAD: tl.constexpr, NSTOP: tl.constexpr):
+    """Program (row b): merge the chunks (token = best candidate, logprob = z[token] − logsumexp),
+    then the row's bookkeeping: output slot `step`, next input token, stop / done flags, length."""
+    b = tl.program_id(0)
+    s = tl.arange(0, NS_PAD)
+    sm = s < NSPLIT
+    m = tl.load(pm_ptr + b * NSPLIT + s, mask=sm, other=float("-inf"))
+    mx = tl.max(m, 0)
+    tot = tl.sum(tl.where(m > float("-inf"), tl.load(ps_ptr + b * NSPLIT + s, mask=sm, other=0.0) * tl.exp(m - mx), 0.0), 0)
+    lse = mx + tl.log(tot)
+    best = tl.load(pbest_ptr + b * NSPLIT + s, mask=sm, other=float("-inf"))
+    jb = tl.argmax(best, 0, tie_break_left=True)
+    tok = tl.sum(tl.where(s == jb, tl.load(pidx_ptr + b * NSPLIT + s, mask=sm, other=0), 0), 0).to(tl.int64)
+    lp = tl.load(logits_ptr + b.to(tl.int64) * V + tok).to(tl.float32) * inv_t - lse
+    step = tl.load(counters_ptr + 1)
+    done = tl.load(done_ptr + b)
+    stops = tl.load(stops_ptr + tl.arange(0, NSTOP))
+    hit = tl.sum((stops == tok).to(tl.int32), 0) > 0
+    tok = tl.where(done != 0, pad_id, tok)
+    lp = tl.where(done != 0, 0.0, lp)
+    tl.store(out_tok_ptr + b * OUT_STRIDE + step, tok)
+    tl.store(out_lp_ptr + b * OUT_STRIDE + step, lp)
+    tl.store(tok_ptr + b, tok)
+    new_stop = hit & (done == 0)
+    tl.store(stopped_ptr + b, tl.where(new_stop, 1, tl.load(stopped_ptr + b)))
+    tl.store(lengths_ptr + b, tl.where(done != 0, tl.load(lengths_ptr + b), step + 1))
+    tl.store(done_ptr + b, tl.where(new_stop, 1, done))
+
+
+# ---------------------------------------------------------------------------------------------
+# The decode plan: per layer, the model's linears regrouped by shared input
+# ---------------------------------------------------------------------------------------------
+
+def _is_lora(m):
+    return all(hasattr(m, a) for a in ("base", "lora_A", "lora_B", "scaling"))
+
+
+def _pow2(x):
+    return 1 << max(0, math.ceil(math.log2(max(1, x))))
+
+
+class _Group:
+    """Linears that read the same input (q|k|v, gate|up, o, down): one GEMM over their stacked base
+    weights, and their LoRA adapters side by side: a = x @ A^T (M, sections·R), then output rows of
+    section s add a[:, s·R:(s+1)·R] @ B_s^T, with B (N_total, R) holding scaling · lora_B (zero-padded
+    to a common rank R ≥ 16, a power of two, for tl.dot)."""
+
+    def __init__(self, mods, dtype):
+        self.loras = [m if _is_lora(m) else None for m in mods]
+        bases = [m.base if _is_lora(m) else m for m in mods]
+        self.sizes = [b.out_features for b in bases]
+        self.gemm = self._fuse(bases)
+        ranks = [l.lora_A.weight.shape[0] for l in self.loras if l is not None]
+        self.R = max(16, _pow2(max(ranks))) if ranks else 0
+        if self.R:
+            dev = bases[0].weight_packed.device if hasattr(bases[0], "weight_packed") else next(bases[0].parameters()).device
+            K = bases[0].in_features
+            self.A = torch.zeros(len(mods) * self.R, K, dtype=dtype, device=dev)  # (sections·R, K)
+            self.B = torch.zeros(sum(self.sizes), self.R, dtype=dtype, device=dev)  # (N_total, R)
+
+    @staticmethod
+    def _fuse(bases):
+        if len(bases) == 1:
+            return bases[0]
+        if all(type(b) is nn.Linear for b in bases):
+            w = torch.cat([b.weight.detach() for b in bases])  # (N_total, K): a copy, made once per model
+            bias = None
+            if any(b.bias is not None for b in bases):
+                bias = torch.cat([b.bias.detach() if b.bias is not None else w.new_zeros(b.out_features) for b in bases])
+            return lambda x: F.linear(x, w, bias)
+        if all(isinstance(b, fp4_gemm.QuantLinear) for b in bases) and hasattr(fp4_gemm.QuantLinear, "concat"):
+            return fp4_gemm.QuantLinear.concat(bases)
+        return lambda x: torch.cat([b(x) for b in bases], -1)  # unknown modules: correct, not fused
+
+    @torch.no_grad()
+    def refresh(self):
+        """Copy the adapters' current values (the optimizer moved them since the last call)."""
+        if not self.R:
+            return
+        self.A.zero_()
+        self.B.zero_()
+        row = 0
+        for s, (lo, n) in enumerate(zip(self.loras, self.sizes)):
+            if lo is not None and not getattr(lo, "disabled", False):
+                r = lo.lora_A.weight.shape[0]
+                self.A[s * self.R: s * self.R + r].copy_(lo.lora_A.weight)
+                self.B[row: row + n, :r].copy_(lo.lora_B.weight * lo.scaling)
+            row += n
+
+    def lora_a(self, x):
+        return F.linear(x, self.A) if self.R else None  # (M, sections·R)
+
+    def __call__(self, x):
+        """For the single-linear groups (o, down): base GEMM + LoRA, the B product fused with the add."""
+        y = self.gemm(x)
+        if not self.R:
+            return y
+        return torch.addmm(y, self.lora_a(x), self.B.t())
+
+
+class _Layer:
+    def __init__(self, block, dtype):
+        att, mlp = block.self_attn, block.mlp
+        self.ln1, self.ln2 = block.input_layernorm, block.post_attention_layernorm  # read in place (AQN)
+        self.qkv = _Group([att.q_proj, att.k_proj, att.v_proj], dtype)
+        self.o = _Group([att.o_proj], dtype)
+        self.gu = _Group([mlp.gate_proj, mlp.up_proj], dtype)
+        self.down = _Group([mlp.down_proj], dtype)
+        self.groups = (self.qkv, self.o, self.gu, self.down)
+
+
+class _State:
+    """Everything one (N rows, S columns) shape needs, allocated once: the cache, the step's inputs and
+    outputs, and the scratch of the split kernels. A CUDA graph reads exactly these addresses."""
+
+    def __init__(self, dec, N, S):
+        cfg, dev, dt = dec.cfg, dec.device, dec.dtype
+        self.N, self.S = N, S
+        L, Hkv, D, V = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
+        # zeros, not empty: the torch attention multiplies masked garbage by 0, and 0 * NaN is NaN
+        self.k = torch.zeros(L, N, Hkv, S, D, dtype=dt, device=dev)  # (L, N, Hkv, S, D)
+        self.v = torch.zeros(L, N, Hkv, S, D, dtype=dt, device=dev)
+        i64 = dict(dtype=torch.int64, device=dev)
+        self.tok = torch.zeros(N, **i64)  # the token entering the next step
+        self.counters = torch.zeros(2, **i64)  # [cache column of that token, output step it samples]
+        self.pad = torch.zeros(N, **i64)  # left padding of each row = its first valid column
+        self.rowkey = torch.zeros(N, **i64)
+        self.done = torch.zeros(N, dtype=torch.int32, device=dev)
+        self.stopped = torch.zeros(N, dtype=torch.int32, device=dev)
+        self.lengths = torch.zeros(N, **i64)
+        self.out_tok = torch.zeros(N, S, **i64)
+        self.out_lp = torch.zeros(N, S, dtype=torch.float32, device=dev)
+        self.stops = torch.full((16,), -1, **i64)
+        pos = torch.arange(S, device=dev)[:, None].float() * dec.model.inv_freq[None]  # (S, D/2), as rope_cos_sin
+        self.cos, self.sin = pos.cos().to(dt), pos.sin().to(dt)
+        # attention split: about 4 programs per SM, chunks a multiple of 64 columns
+        self.attn_chunk = 64 * math.ceil(S / max(1, math.ceil(4 * dec.sms / (N * Hkv))) / 64)
+        self.attn_split = math.ceil(S / self.attn_chunk)
+        rows = N * cfg.num_heads
+        self.attn_m = torch.zeros(rows, self.attn_split, dtype=torch.float32, device=dev)
+        self.attn_l = torch.zeros_like(self.attn_m)
+        self.attn_acc = torch.zeros(rows, self.attn_split, D, dtype=torch.float32, device=dev)
+        # sampler split over the vocabulary: about 2 programs per SM
+        self.v_block = 1024
+        self.v_chunk = self.v_block * math.ceil(V / max(1, math.ceil(2 * dec.sms / N)) / self.v_block)
+        self.v_split = math.ceil(V / self.v_chunk)
+        self.sm_m = torch.zeros(N, self.v_split, dtype=torch.float32, device=dev)
+        self.sm_s = torch.zeros_like(self.sm_m)
+        self.sm_best = torch.zeros_like(self.sm_m)
+        self.sm_idx = torch.zeros(N, self.v_split, dtype=torch.int32, device=dev)
+        self.host_col = None  # the current column when known on the host (eager steps), else None
+        self.graphs = {}
+
+
+class _PrefillCache:
+    """The model's cache protocol for the prefill of P distinct prompts: attention over each prompt
+    (causal, left padding masked), and its K/V copied into the n cache rows of its samples."""
+
+    def __init__(self, st, row0, n, pad, Lp):
+        self.st, self.row0, self.n, self.Lp = st, row0, n, Lp
+        kpos = torch.arange(Lp, device=pad.device)
+        qpos = kpos[:, None]
+        # a padding query sees only itself, so that no row of the mask is empty (NaN)
+        self.mask = (kpos[None, None] <= qpos) & ((kpos[None, None] >= pad[:, None, None]) | (kpos == qpos))
+        self.mask = self.mask[:, None]  # (P, 1, Lp, Lp)
+
+    def attend(self, layer, q, k, v):  # q (P, Hq, Lp, D), k / v (P, Hkv, Lp, D)
+        rows = slice(self.row0, self.row0 + q.shape[0] * self.n)
+        self.st.k[layer, rows, :, : self.Lp] = k.repeat_interleave(self.n, 0) if self.n > 1 else k
+        self.st.v[layer, rows, :, : self.Lp] = v.repeat_interleave(self.n, 0) if self.n > 1 else v
+        group = q.shape[1] // k.shape[1]
+        if group > 1:  # expanded heads let SDPA pick a fused kernel for the masked case
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+
+    def advance(self, T):
+        pass
+
+
+# ---------------------------------------------------------------------------------------------
+# The decoder: the fused step (torch reference | Triton), graph capture, the generation loop
+# ---------------------------------------------------------------------------------------------
+
+class Decoder:
+    """The sampler for one model. Built once per model (generate() keeps it on the model; release()
+    drops it): regroups the linears, then per (rows, columns) shape keeps a _State and its graphs."""
+
+    def __init__(self, model, kernels="auto", graphs="auto", max_states=2):
+        if kernels not in ("auto", "triton", "torch") or graphs not in ("auto", True, False):
+            raise ValueError(f"kernels must be auto|triton|torch and graphs auto|True|False, got {kernels!r}, {graphs!r}")
+        self.model, self.cfg = model, model.config
+        self.device, self.dtype = model.device, model.dtype
+        if kernels == "triton" and triton is None:
+            raise RuntimeError("kernels='triton' but triton is not installed")
+        self.triton = kernels == "triton" or (kernels == "auto" and triton is not None and self.device.type == "cuda")
+        if self.triton and (self.cfg.head_dim < 32 or self.cfg.head_dim != _pow2(self.cfg.head_dim)):
+            if kernels == "triton":  # the kernels need a power-of-two head_dim >= 32 (tl.arange, tl.dot)
+                raise ValueError(f"kernels='triton' needs a power-of-two head_dim >= 32, got {self.cfg.head_dim}")
+            self.triton = False
+        self.graphs = self.device.type == "cuda" if graphs == "auto" else bool(graphs)
+        self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 4
+        self.prec = "ieee" if self.dtype == torch.float32 else "tf32"
+        self.layers = [_Layer(b, self.dtype) for b in model.layers]
+        self.fingerprint = _fingerprint(model)
+        self.states = OrderedDict()
+        self.max_states = max_states
+        self.pool = None
+
+    # --- the fused ops; each has its torch reference (CPU) and its Triton kernel --------------
+
+    def add_rmsnorm(self, x, delta, norm):
+        """x + delta (the residual stream, model dtype) and RMSNorm of it → (new x, normed)."""
+        w, eps = norm.weight, norm.eps
+        if self.triton:
+            M, H = x.shape
+            xo = torch.empty_like(x) if delta is not None else x
+            out = torch.empty_like(x)
+            _add_rmsnorm_kernel[(M,)](x, delta if delta is not None else x, w, xo, out, H, eps,
+                                      HAS_DELTA=delta is not None, BLOCK=_pow2(H), num_warps=8 if H > 2048 else 4)
+            return xo, out
+        if delta is not None:
+            x = x + delta
+        return x, norm(x)
+
+    def rope_write(self, qkv, a, grp, st, layer):
+        """qkv (M, (Hq+2Hkv)·D) + LoRA → q (M, Hq, D) rotated; k (rotated) and v stored at the current column."""
+        cfg = self.cfg
+        M, Hq, Hkv, D = qkv.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        if self.triton:
+            q = torch.empty(M, Hq, D, dtype=qkv.dtype, device=qkv.device)
+            R = grp.R
+            _rope_write_kernel[(triton.cdiv(M, 16), Hq + 2 * Hkv)](
+                qkv, a if R else qkv, grp.B if R else qkv, st.cos, st.sin, st.pad, st.counters, q, st.k[layer],
+                st.v[layer], M, st.S, Hq, Hkv, a.shape[1] if R else 0, D=D, R=max(R, 16), BM=16, HAS_LORA=R > 0,
+                PREC=self.prec, num_warps=4)
+            return q
+        if grp.R:
+            delta = torch.cat([a[:, s * grp.R:(s + 1) * grp.R] @ b.t()
+                               for s, b in enumerate(grp.B.split(grp.sizes))], -1)
+            qkv = qkv + delta
+        q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], -1)
+        pos = st.counters[0] - st.pad  # (M,)
+        cos = torch.cat([st.cos[pos], st.cos[pos]], -1)[:, None]  # (M, 1, D)
+        sin = torch.cat([st.sin[pos], st.sin[pos]], -1)[:, None]
+        q, k = q.reshape(M, Hq, D), k.reshape(M, Hkv, D)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        col = st.counters[:1]
+        st.k[layer].index_copy_(2, col, k[:, :, None])
+        st.v[layer].index_copy_(2, col, v.reshape(M, Hkv, 1, D))
+        return q
+
+    def attention(self, q, st, layer):
+        """q (M, Hq, D) against this layer's cache columns [pad_b, col] → (M, Hq·D)."""
+        M, Hq, D = q.shape
+        Hkv = self.cfg.num_kv_heads
+        if self.triton:
+            G = Hq // Hkv
+            _attn_partial_kernel[(M * Hkv, st.attn_split)](
+                q, st.k[layer], st.v[layer], st.pad, st.done, st.counters, st.attn_m, st.attn_l, st.attn_acc,
+                1.0 / math.sqrt(D), st.S, Hkv, st.attn_split, G=G, G_PAD=max(16, _pow2(G)), D=D,
+                CHUNK=st.attn_chunk, BLOCK_N=64, PREC=self.prec, num_warps=4)
+            out = torch.empty(M, Hq * D, dtype=q.dtype, device=q.device)
+            _attn_combine_kernel[(M * Hq,)](st.attn_m, st.attn_l, st.attn_acc, out, st.attn_split,
+                                            NS_PAD=_pow2(st.attn_split), D=D, num_warps=4)
+            return out
+        # Eagerly the host knows the length; inside a graph the torch path must read the whole cache.
+        S = st.host_col + 1 if st.host_col is not None else st.S
+        kpos = torch.arange(S, device=q.device)
+        valid = (kpos[None] >= st.pad[:, None]) & (kpos[None] <= st.counters[0])  # (M, S)
+        out = F.scaled_dot_product_attention(q[:, :, None], st.k[layer, :, :, :S], st.v[layer, :, :, :S],
+                                             attn_mask=valid[:, None, None], enable_gqa=True)  # (M, Hq, 1, D)
+        return out.reshape(M, Hq * D)
+
+    def silu_mul(self, gu, a, grp):
+        """gate|up (M, 2I) + LoRA → silu(gate) * up (M, I)."""
+        M, I = gu.shape[0], gu.shape[1] // 2
+        if self.triton:
+            out = torch.empty(M, I, dtype=gu.dtype, device=gu.device)
+            R = grp.R
+            _silu_mul_kernel[(triton.cdiv(M, 16), triton.cdiv(I, 128))](
+                gu, a if R else gu, grp.B if R else gu, out, M, I, a.shape[1] if R else 0, R=max(R, 16), BM=16,
+                BN=128, HAS_LORA=R > 0, PREC=self.prec, num_warps=4)
+            return out
+        g, u = gu.split(I, -1)
+        if grp.R:
+            bg, bu = grp.B.split(I)
+            g = g + a[:, : grp.R] @ bg.t()
+            u = u + a[:, grp.R:] @ bu.t()
+        return F.silu(g) * u
+
+    def sample(self, logits, st, sp):
+        """logits (N, V) → the step's token and logprob into st.out_*, next input st.tok, stop flags."""
+        N, V = logits.shape
+        greedy = sp.temperature == 0
+        inv_t = 1.0 if greedy else 1.0 / sp.temperature
+        trunc = not greedy and (sp.top_p < 1.0 or sp.top_k > 0)
+        thr = truncation_threshold(logits.float() * inv_t, sp.top_p, sp.top_k) if trunc else None
+        if self.triton:
+            logits = logits.contiguous()
+            _sample_partial_kernel[(N, st.v_split)](
+                logits, V, inv_t, thr if trunc else st.sm_m, st.rowkey, st.counters, st.sm_m, st.sm_s, st.sm_best,
+                st.sm_idx, st.v_split, CHUNK=st.v_chunk, BLOCK=st.v_block, GREEDY=greedy, TRUNC=trunc, num_warps=4)
+            _sample_final_kernel[(N,)](
+                logits, V, inv_t, st.sm_m, st.sm_s, st.sm_best, st.sm_idx, st.v_split, st.counters, st.done,
+                st.stopped, st.lengths, st.stops, sp.pad_id, st.tok, st.out_tok, st.out_lp, st.S,
+                NS_PAD=_pow2(st.v_split), NSTOP=st.stops.numel(), num_warps=1)
+            return
+        z = logits.float() * inv_t  # (N, V)
+        lse = torch.logsumexp(z, -1)
+        cand = z if greedy else z + gumbel_noise(st.rowkey, st.counters[1], V)
+        if trunc:
+            cand = torch.where(z >= thr[:, None], cand, float("-inf"))
+        tok = cand.argmax(-1)
+        lp = z.gather(1, tok[:, None])[:, 0] - lse
+        done = st.done.bool()
+        hit = (tok[:, None] == st.stops[None]).any(-1)
+        tok = torch.where(done, sp.pad_id, tok)
+        lp = torch.where(done, 0.0, lp)
+        step = st.counters[1:]
+        st.out_tok.index_copy_(1, step, tok[:, None])
+        st.out_lp.index_copy_(1, step, lp[:, None])
+        st.tok.copy_(tok)
+        st.stopped.copy_(torch.where(hit & ~done, 1, st.stopped))
+        st.lengths.copy_(torch.where(done, st.lengths, step + 1))
+        st.done.copy_(torch.where(hit, 1, st.done))
+
+    # --- one decode step ------------------------------------------------------------------------
+
+    def step(self, st, sp):
+        """Token st.tok of every row in at column counters[0]; one token per row sampled; counters + 1."""
+        m = self.model
+        x = m.embed_tokens(st.tok)  # (N, H)
+        delta = None
+        for i, L in enumerate(self.layers):
+            x, h = self.add_rmsnorm(x, delta, L.ln1)
+            q = self.rope_write(L.qkv.gemm(h), L.qkv.lora_a(h), L.qkv, st, i)  # (N, Hq, D)
+            delta = L.o(self.attention(q, st, i))  # (N, H)
+            x, h = self.add_rmsnorm(x, delta, L.ln2)
+            act = self.silu_mul(L.gu.gemm(h), L.gu.lora_a(h), L.gu)  # (N, I)
+            delta = L.down(act)
+        _, h = self.add_rmsnorm(x, delta, m.norm)
+        self.sample(m.lm_head(h), st, sp)
+        st.counters.add_(1)
+
+    def capture(self, st, sp, key):
+        """Record one step as a CUDA graph (after two eager warm-up steps that compile the kernels)."""
+        t0 = time.perf_counter()
+        st.counters.zero_()
+        st.done.fill_(1)  # warm-up steps on finished rows: no attention reads, outputs overwritten later
+        st.host_col = None
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.step(st, sp)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            self.step(st, sp)
+        torch.cuda.synchronize()
+        st.graphs[key] = g
+        return time.perf_counter() - t0
+
+    def state(self, N, S):
+        key = (N, S)
+        if key in self.states:
+            self.states.move_to_end(key)
+        else:
+            while len(self.states) >= self.max_states:
+                self.states.popitem(last=False)
+            self.states[key] = _State(self, N, S)
+        return self.states[key]
+
+    # --- generation -------------------------------------------------------------------------------
+
+    def prefill(self, st, prompts, n, Lp, sp, token_budget=16384):
+        """Each distinct prompt once (in chunks of ~token_budget tokens), K/V into its n rows, and the
+        first token of every row sampled from its prompt's last logits."""
+        m, dev = self.model, self.device
+        P = len(prompts)
+        tokens = torch.full((P, Lp), sp.pad_id, dtype=torch.int64)
+        for i, p in enumerate(prompts):
+            tokens[i, Lp - len(p):] = torch.as_tensor(p, dtype=torch.int64)
+        tokens = tokens.to(dev)
+        pad = torch.tensor([Lp - len(p) for p in prompts], dtype=torch.int64, device=dev)
+        positions = (torch.arange(Lp, device=dev)[None] - pad[:, None]).clamp(min=0)  # (P, Lp)
+        last = []
+        chunk = max(1, token_budget // Lp)
+        for c0 in range(0, P, chunk):
+            c1 = min(P, c0 + chunk)
+            cache = _PrefillCache(st, c0 * n, n, pad[c0:c1], Lp)
+            h = m.hidden(tokens[c0:c1], positions[c0:c1], cache)  # (p, Lp, H)
+            last.append(m.lm_head(h[:, -1]))  # (p, V)
+        logits = torch.cat(last)
+        st.pad.copy_(pad.repeat_interleave(n))
+        st.counters.zero_()  # sampling output step 0
+        self.sample(logits.repeat_interleave(n, 0) if n > 1 else logits, st, sp)
+        st.counters.copy_(torch.tensor([Lp, 1], device=dev))
+
+    @torch.no_grad()
+    def run(self, prompts, n, max_new_tokens, sp, seed, stream=None, check_every=16):
+        P, dev = len(prompts), self.device
+        N = P * n
+        Lp = max(len(p) for p in prompts)
+        S = 128 * math.ceil((Lp + max_new_tokens) / 128)  # rounded so that later calls reuse the graphs
+        st = self.state(N, S)
+        nstop = max(16, _pow2(len(sp.stop_ids)))
+        if st.stops.numel() != nstop:
+            st.stops = torch.full((nstop,), -1, dtype=torch.int64, device=dev)
+            st.graphs.clear()
+        key = (sp.temperature, sp.top_p, sp.top_k, sp.pad_id)
+        for L in self.layers:
+            for grp in L.groups:
+                grp.refresh()
+        stats = dict(kernels="triton" if self.triton else "torch", graphs=False, capture_s=0.0, rows=N,
+                     prefill_rows=P, prompt_len=Lp, cache_columns=S)
+        graph = None
+        if self.graphs:
+            if key not in st.graphs:
+                stats["capture_s"] = self.capture(st, sp, key)
+            graph = st.graphs[key]
+            stats["graphs"] = True
+        # reset the per-call state
+        st.stops.fill_(-1)
+        if sp.stop_ids:
+            st.stops[: len(sp.stop_ids)] = torch.tensor(sorted(sp.stop_ids), dtype=torch.int64, device=dev)
+        st.done.zero_()
+        st.stopped.zero_()
+        st.lengths.zero_()
+        st.out_tok.fill_(sp.pad_id)
+        st.out_lp.zero_()
+        st.rowkey.copy_(row_keys(seed, torch.arange(N)).to(dev))
+        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        self.prefill(st, prompts, n, Lp, sp)
+        sync()
+        t1 = time.perf_counter()
+        steps = 1
+        if stream is not None:
+            stream(0, st.out_tok[:, 0].cpu())
+        for t in range(1, max_new_tokens):
+            if graph is not None:
+                graph.replay()
+            else:
+                st.host_col = Lp + t - 1
+                self.step(st, sp)
+                st.host_col = None
+            steps += 1
+            if stream is not None:
+                stream(t, st.out_tok[:, t].cpu())
+            if sp.stop_ids and (stream is not None or graph is None or t % check_every == 0):
+                if bool(st.done.bool().all()):
+                    break
+        sync()
+        t2 = time.perf_counter()
+        lengths = st.lengths.clone()
+        T = max(1, int(lengths.max()))
+        stopped = st.stopped.tolist()
+        stats.update(prefill_s=t1 - t0, decode_s=t2 - t1, steps=steps)
+        return Rollout(tokens=st.out_tok[:, :T].clone(), logprobs=st.out_lp[:, :T].clone(), lengths=lengths,
+                       finish=["stop" if s else "length" for s in stopped],
+                       prompt_index=torch.arange(P, device=dev).repeat_interleave(n), stats=stats)
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def _fingerprint(model):
+    """Addresses of every base tensor the decoder depends on: if any moved (weights reloaded, the
+    model moved, a norm weight replaced instead of updated in place), the decoder is rebuilt."""
+    return tuple((n, t.data_ptr()) for n, t in list(model.named_parameters()) + list(model.named_buffers())
+                 if ".lora_" not in n)
+
+
+def _decoder(model, kernels, graphs):
+    dec = model.__dict__.get("_rollout_decoder")
+    if dec is None or dec.opts != (kernels, graphs) or dec.fingerprint != _fingerprint(model) \
+            or dec.device != model.device or dec.dtype != model.dtype:
+        release(model)
+        dec = Decoder(model, kernels, graphs)
+        dec.opts = (kernels, graphs)
+        model.__dict__["_rollout_decoder"] = dec
+    return dec
+
+
+def release(model):
+    """Drop the decoder generate() keeps on `model` (fused weight copies, KV caches, CUDA graphs)."""
+    dec = model.__dict__.pop("_rollout_decoder", None)
+    if dec is not None and model.device.type == "cuda":
+        del dec
+        torch.cuda.empty_cache()
+
+
+def generate(model, prompts, *, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0, top_k=0, stop_ids=(),
+             seed=None, pad_id=0, kernels="auto", graphs="auto", stream=None):
+    """Sample n completions of each prompt (lists of token ids) → Rollout (see its docstring).
+
+    temperature 0 is greedy; top_p / top_k truncate the sampling set (the logprobs stay those of the
+    untruncated softmax(logits / temperature)); stop_ids end a row (the stop token is kept); seed
+    makes the call reproducible (None: drawn from torch's global RNG). kernels: "triton" (default on
+    CUDA) or "torch" (default elsewhere); graphs: CUDA graphs for the decode step (default on CUDA).
+    stream(step, tokens (N,)) is called after every step (it forces a sync per step)."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate needs at least one prompt, and every prompt at least one token")
+    if n < 1 or max_new_tokens < 1:
+        raise ValueError(f"n and max_new_tokens must be >= 1, got n={n}, max_new_tokens={max_new_tokens}")
+    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+        raise ValueError(f"need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got {temperature}, {top_p}, {top_k}")
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (1,)))
+    sp = SimpleNamespace(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
+                         stop_ids=tuple(int(s) for s in stop_ids), pad_id=int(pad_id))
+    was_training = model.training
+    model.eval()
+    try:
+        return _decoder(model, kernels, graphs).run([list(p) for p in prompts], n, max_new_tokens, sp, int(seed), stream)
+    finally:
+        model.train(was_training)
+
+
+# ---------------------------------------------------------------------------------------------
+# Benchmark and CLI
+# ---------------------------------------------------------------------------------------------
+
+def _add_lora(model, rank, seed=0):
+    """LoRA rank `rank` on all seven projections, with nonzero B (B = 0 would still cost the same, but
+    a nonzero adapter proves the step really adds it)."""
+    import lora
+
+    lora.apply_lora(model, rank=rank, alpha=2 * rank, dtype=torch.float32)
+    gen = torch.Generator(device=model.device).manual_seed(seed)
+    with torch.no_grad():
+        for m in lora.lora_modules(model).values():
+            m.lora_B.weight.normal_(0, 1e-3, generator=gen)
+
+
+def _bench_one(model, batch, prompt_len, new_tokens, seed, **kw):
+    V = model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, V, (batch, prompt_len), generator=gen).tolist()
+    warm = generate(model, prompts, max_new_tokens=new_tokens, stop_ids=(), seed=seed, **kw)  # compile + capture
+    r = generate(model, prompts, max_new_tokens=new_tokens, stop_ids=(), seed=seed + 1, **kw)
+    s = r.stats
+    assert int(r.lengths.min()) == new_tokens, "a row stopped early in the forced-length benchmark"
+    return dict(batch=batch, tok_s=batch * new_tokens / (s["prefill_s"] + s["decode_s"]),
+                ms_step=1e3 * s["decode_s"] / max(1, s["steps"] - 1), prefill_ms=1e3 * s["prefill_s"],
+                capture_s=warm.stats["capture_s"], graphs=s["graphs"], kernels=s["kernels"])
+
+
+def _check(model):
+    """On the GPU, at the real shape: the graphed Triton step against the eager torch step (same seed)
+    and both against one full forward pass over the finished sequences (with fp4_gemm's kernels and
+    with its torch reference path); for an NVFP4 model also the fused q|k|v GEMM against the separate
+    layers and the dequantized reference. Returns lines to print."""
+    V = model.config.vocab_size
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, V, (n,), generator=gen).tolist() for n in (37, 100, 5)]
+    kw = dict(n=2, max_new_tokens=48, temperature=1.0, top_p=0.95, seed=3)
+    fast = generate(model, prompts, **kw)
+    ref = generate(model, prompts, kernels="torch", graphs=False, **kw)
+    release(model)
+    lines = [f"check: graphed Triton step vs eager torch step, same seed: "
+             f"{100 * (fast.tokens == ref.tokens).float().mean().item():.1f}% of tokens equal"]
+
+    def full_lp(r, backend):
+        out = []
+        for i in range(r.tokens.shape[0]):
+            comp, p = r.tokens[i, : int(r.lengths[i])].tolist(), prompts[i // 2]
+            with torch.no_grad(), fp4_gemm.backend(backend):
+                z = model(torch.tensor([p + comp], device=model.device))[0, len(p) - 1: len(p) - 1 + len(comp)].float()
+            out.append(torch.log_softmax(z, -1).gather(1, torch.tensor(comp, device=z.device)[:, None])[:, 0])
+        return out
+
+    for name, r in (("graphed Triton", fast), ("eager torch", ref)):
+        for backend in ("auto", "torch"):
+            d = [(r.logprobs[i, : len(x)] - x).abs() for i, x in enumerate(full_lp(r, backend))]
+            first, rest = torch.stack([x[0] for x in d]), torch.cat([x[1:] for x in d])
+            lines.append(f"    {name} step vs full forward (fp4 backend {backend}): |dlogprob| first token "
+                         f"mean {first.mean():.2e}, later tokens mean {rest.mean():.2e} max {rest.max():.2e}")
+    att = model.layers[0].self_attn
+    mods = [getattr(att, n) for n in ("q_proj", "k_proj", "v_proj")]
+    bases = [m.base if _is_lora(m) else m for m in mods]
+    if all(isinstance(b, fp4_gemm.QuantLinear) for b in bases):
+        fused = fp4_gemm.QuantLinear.concat(bases)
+        w = torch.cat([b.dequantized_weight(torch.float32) for b in bases])  # (N, K)
+        bias = torch.cat([b.bias.float() for b in bases]) if bases[0].bias is not None else 0
+        for M in (1, 6, 64, 300, 2048):
+            x = torch.randn(M, w.shape[1], device=w.device, dtype=model.dtype)
+            y = x.float() @ w.t() + bias
+            err = lambda t: ((t.float() - y).norm() / y.norm()).item()
+            with torch.no_grad():
+                sep = torch.cat([b(x) for b in bases], -1)
+                lines.append(f"    fp4 layer-0 q|k|v, M={M}: rel err fused {err(fused(x)):.1e}, separate {err(sep):.1e}")
+    return "\n".join(lines)
+
+
+def _step_bytes(model):
+    """Bytes one decode step must read at least: every weight the step touches once (embeddings:
+    one row, ignored), LoRA adapters in the model dtype."""
+    n = 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if name.startswith("embed_tokens") and not model.config.tie_word_embeddings:
+            continue
+        n += t.numel() * (model.dtype.itemsize if ".lora_" in name else t.element_size())
+    return n
+
+
+def _profile(model, batch, prompt_len, steps=4):
+    """GPU time per kernel over a few eager decode steps (prefill excluded), grouped: where a step goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    V = model.config.vocab_size
+    prompts = torch.randint(0, V, (batch, prompt_len), generator=torch.Generator().manual_seed(0)).tolist()
+    generate(model, prompts, max_new_tokens=2, graphs=False, stop_ids=(), seed=0)  # compiles; leaves a filled cache
+    dec = model.__dict__["_rollout_decoder"]
+    st = next(reversed(dec.states.values()))
+    sp = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, pad_id=0, stop_ids=())
+    with torch.no_grad():
+        dec.step(st, sp)  # continue the rollout eagerly, one step outside the profile
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                dec.step(st, sp)
+            torch.cuda.synchronize()
+    groups = {}
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t <= 0 or e.key.startswith(("Memcpy", "Memset")) or "aten::" in e.key:
+            continue
+        k = e.key
+        name = ("fp4 gemm" if k.startswith(("_gemv_kernel", "_tiled_kernel", "_splitk_reduce", "_dequant_kernel")) else
+                "attention" if "_attn_" in k else "rope+write" if "rope" in k else "silu_mul" if "silu" in k else
+                "add_rmsnorm" if "rmsnorm" in k else "sampler" if "sample" in k else
+                "cuBLAS (lm_head, LoRA, bf16 base)" if "gemm" in k.lower() or "gemv" in k.lower() or "cutlass" in k
+                or "sm90" in k or "xmma" in k else "other: " + k[:40])
+        g = groups.setdefault(name, [0.0, 0])
+        g[0] += t / steps / 1e3
+        g[1] += e.count / steps
+    total = sum(v[0] for v in groups.values())
+    lines = [f"profile batch {batch}: kernel time per step {total:.3f} ms in {sum(v[1] for v in groups.values()):.0f} launches"]
+    for k, (ms, c) in sorted(groups.items(), key=lambda kv: -kv[1][0]):
+        lines.append(f"    {k:<40} {ms:7.3f} ms  {c:5.0f} launches")
+    return "\n".join(lines)
+
+
+def bench(args):
+    """The issue's table: Qwen2.5-7B shape (random weights), prompt 256, 512 new tokens forced,
+    NVFP4 + LoRA r32 (unmerged) vs bf16 + the same LoRA, batch 1/8/64; then 32B NVFP4 batch 1."""
+    import gc
+
+    import aqn
+
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    print(f"# {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, "
+          f"triton {triton.__version__ if triton else None}")
+    print(f"# prompt {args.prompt_len} tokens, {args.new_tokens} new tokens forced, LoRA rank {args.rank} "
+          f"unmerged on q,k,v,o,gate,up,down, AQN sigma {args.aqn_sigma:g} on the decoder norms", flush=True)
+    rows, notes = [], []
+    models = [("7b", q) for q in args.quants] + ([("32b", "nvfp4")] if args.big else [])
+    for size, quant in models:
+        gc.collect()
+        torch.cuda.empty_cache()
+        t0 = time.perf_counter()
+        model = Transformer.from_random(qwen25_config(size), torch.bfloat16, dev, quantize=quant == "nvfp4", seed=0)
+        _add_lora(model, args.rank)
+        torch.cuda.synchronize()
+        floor = _step_bytes(model) / 4.24e12 * 1e3
+        print(f"# built {size} {quant} + LoRA in {time.perf_counter() - t0:.1f} s, "
+              f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB; a step reads >= {_step_bytes(model) / 1e9:.2f} GB "
+              f"of weights: floor {floor:.2f} ms at 4.24 TB/s", flush=True)
+        notes.append(f"{size} {quant}: weights read per step {_step_bytes(model) / 1e9:.2f} GB, floor {floor:.2f} ms/step")
+        runs = [(b, {}) for b in (args.batches if size == "7b" else [1])]
+        if args.variants and (size, quant) == ("7b", "nvfp4"):
+            runs += [(1, dict(graphs=False)), (1, dict(kernels="torch")), (64, dict(kernels="torch"))]
+        with aqn.noise(model, args.aqn_sigma, torch.Generator(dev).manual_seed(0)):
+            if args.check and size == "7b":
+                try:
+                    line = f"{size} {quant} {_check(model)}"
+                except Exception as e:
+                    line = f"{size} {quant} check failed: {type(e).__name__}: {e}"
+                print(line, flush=True)
+                notes.append(line)
+            for batch, kw in runs:
+                kw = {"kernels": args.kernels, "graphs": args.graphs, **kw}
+                tokens = args.new_tokens if kw["graphs"] is not False else 64  # eager is slow: fewer steps
+                try:
+                    res = _bench_one(model, batch, args.prompt_len, tokens, seed=batch, **kw)
+                except Exception as e:  # keep the rest of the table
+                    line = f"{size} {quant} batch {batch} {kw} failed: {type(e).__name__}: {e}"
+                    print(line, flush=True)
+                    notes.append(line)
+                    continue
+                res.update(size=size, quant=quant)
+                line = (f"{size:>4} {quant:>6} batch {batch:>3}: {res['tok_s']:9.0f} tok/s  decode {res['ms_step']:6.2f} "
+                        f"ms/step  prefill {res['prefill_ms']:7.1f} ms  compile+capture {res['capture_s']:.1f} s  "
+                        f"(kernels {res['kernels']}, graphs {res['graphs']})")
+                print(line, flush=True)
+                if kw == {"kernels": args.kernels, "graphs": args.graphs}:
+                    rows.append(res)
+                else:
+                    notes.append("variant " + line)
+            if args.profile and (size, quant) == ("7b", "nvfp4"):
+                for b in args.profile:
+                    try:
+                        line = f"{size} {quant} " + _profile(model, b, args.prompt_len)
+                    except Exception as e:
+                        line = f"{size} {quant} profile failed: {type(e).__name__}: {e}"
+                    print(line, flush=True)
+                    notes.append(line)
+        release(model)
+        del model
+    table = _table(rows)
+    print(table)
+    if args.bench_out:
+        with open(args.bench_out, "w") as f:
+            f.write(table + "\n\n" + "\n".join(notes) + "\n")
+    return rows
+
+
+def _table(rows):
+    by = {(r["size"], r["quant"], r["batch"]): r for r in rows}
+    lines = ["| model | batch | NVFP4+LoRA tok/s | ms/step | bf16+LoRA tok/s | ms/step | NVFP4 / bf16 |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for size in ("7b", "32b"):
+        for b in sorted({r["batch"] for r in rows if r["size"] == size}):
+            f4, bf = by.get((size, "nvfp4", b)), by.get((size, "bf16", b))
+            cell = lambda r, k, fmt: format(r[k], fmt) if r else "-"
+            ratio = f"{f4['tok_s'] / bf['tok_s']:.2f}x" if f4 and bf else "-"
+            lines.append(f"| Qwen2.5-{size.upper()} shape | {b} | {cell(f4, 'tok_s', '.0f')} | {cell(f4, 'ms_step', '.2f')} "
+                         f"| {cell(bf, 'tok_s', '.0f')} | {cell(bf, 'ms_step', '.2f')} | {ratio} |")
+    return "\n".join(lines)
+
+
+def chat(args):
+    """Stream one sampled answer to --prompt through the checkpoint's chat template."""
+    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    tok = load_tokenizer(args.model)
+    model = Transformer.from_pretrained(args.model, dtype=dtype, device=dev, quantize=args.quant == "nvfp4")
+    ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    stops = {t for t in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id)
+             if isinstance(t, int) and t >= 0 and t != tok.unk_token_id}
+    print(f"# {args.model} ({args.quant}) on {dev}: {len(ids)} prompt tokens, up to {args.max_new_tokens} new, "
+          f"temperature {args.temperature}, top_p {args.top_p}", file=sys.stderr)
+    out, shown = [], ""
+
+    def show(step, toks):
+        nonlocal shown
+        t = int(toks[0])
+        if t in stops:
+            return
+        out.append(t)
+        text = tok.decode(out, skip_special_tokens=True)
+        print(text[len(shown):], end="", flush=True)
+        shown = text
+
+    r = generate(model, [ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                 top_k=args.top_k, stop_ids=sorted(stops), seed=args.seed, pad_id=tok.pad_token_id or 0, stream=show)
+    s = r.stats
+    print(f"\n# {int(r.lengths[0])} tokens ({r.finish[0]}), prefill {1e3 * s['prefill_s']:.0f} ms, "
+          f"decode {int(r.lengths[0]) / max(s['decode_s'], 1e-9):.0f} tok/s", file=sys.stderr)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Sample from a model with the KV-cached rollout sampler, or benchmark it.")
+    p.add_argument("--model", help="HF folder, alias (qwen2.5-7b, tiny) or hub id, for --prompt")
+    p.add_argument("--prompt", help="a user message; the answer is streamed through the chat template")
+    p.add_argument("--quant", choices=("nvfp4", "bf16"), default="bf16", help="quantize the base to NVFP4 on load")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="most tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (0 = greedy)")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    p.add_argument("--bench", action="store_true", help="print the H200 benchmark table (needs a GPU)")
+    p.add_argument("--bench-out", default=None, help="also write the benchmark table (markdown) here")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64], help="benchmark batch sizes")
+    p.add_argument("--quants", nargs="+", default=["nvfp4", "bf16"], help="benchmark base formats")
+    p.add_argument("--no-big", dest="big", action="store_false", help="skip the 32B NVFP4 batch-1 row")
+    p.add_argument("--prompt-len", type=int, default=256, help="benchmark prompt tokens")
+    p.add_argument("--new-tokens", type=int, default=512, help="benchmark new tokens (forced, no stop)")
+    p.add_argument("--rank", type=int, default=32, help="benchmark LoRA rank")
+    p.add_argument("--aqn-sigma", type=float, default=1e-2, help="benchmark AQN noise sigma on the norm weights")
+    p.add_argument("--kernels", default="auto", choices=("auto", "triton", "torch"), help="fused ops: Triton or torch")
+    p.add_argument("--graphs", default="auto", choices=("auto", "on", "off"), help="CUDA graphs for the decode step")
+    p.add_argument("--check", action="store_true", help="benchmark: first check the GPU step against eager torch and a full forward")
+    p.add_argument("--profile", type=int, nargs="*", default=[], help="benchmark: kernel-time profile at these batches")
+    p.add_argument("--variants", action="store_true", help="benchmark: also time eager (no graphs) and torch-op steps")
+    args = p.parse_args(argv)
+    args.graphs = {"auto": "auto", "on": True, "off": False}[args.graphs]
+    if args.bench:
+        return bench(args)
+    if not (args.model and args.prompt):
+        p.error("pass --model and --prompt (or --bench)")
+    return chat(args)
+
+
+if __name__ == "__main__":
+    main()

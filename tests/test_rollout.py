@@ -1,0 +1,212 @@
+"""rollout.py against independent references: one full forward pass over the finished sequences
+(logprobs, truncation sets), transformers' greedy generate, each prompt decoded alone; plus seeds,
+stop / length bookkeeping, prefill sharing and the sampler's distribution. The fused step runs with
+torch ops and (under Triton's interpreter on CPU) with the Triton kernels."""
+import os
+
+import pytest
+import torch
+
+import aqn
+import lora
+import model as M
+import rollout
+
+# head_dim 32 so that the Triton kernels (tl.dot needs >= 16 per half-head) can run too
+CFG = dict(hidden_size=64, intermediate_size=96, num_attention_heads=2, num_key_value_heads=1, vocab_size=97)
+
+
+# On a CPU-only machine fp4_gemm switches Triton's interpreter on, and the kernels run on CPU tensors.
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton interpreter not active")
+
+
+def load(hf_folder, quantize=False, with_lora=True, seed=0, **overrides):
+    hf, folder = hf_folder("qwen2", seed=seed, **{**CFG, **overrides})
+    ours = M.Transformer.from_pretrained(folder, dtype=torch.float32, quantize=quantize)
+    if with_lora:
+        lora.apply_lora(ours, rank=4, alpha=8)
+        gen = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():  # nonzero B so the adapters change the logits
+            for m in lora.lora_modules(ours).values():
+                m.lora_B.weight.normal_(0, 0.3, generator=gen)
+    return hf, ours
+
+
+def prompts_of(lengths, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def full_forward_z(model, prompt, completion, temperature):
+    """z = logits / T at the positions that predicted each completion token, from one plain forward."""
+    seq = torch.tensor([prompt + completion], device=model.device)
+    with torch.no_grad():
+        logits = model(seq)[0].double()  # (L, V)
+    return logits[len(prompt) - 1: len(prompt) - 1 + len(completion)] / (temperature or 1.0)
+
+
+def rows(r):
+    return [(i, r.tokens[i, : int(r.lengths[i])].tolist()) for i in range(r.tokens.shape[0])]
+
+
+@pytest.mark.parametrize("kernels,quantize", [("torch", False), pytest.param("triton", False, marks=interpreted),
+                                              ("torch", True)])
+def test_logprobs_equal_full_forward(hf_folder, kernels, quantize):
+    _, model = load(hf_folder, quantize=quantize)
+    prompts = prompts_of([5, 1, 9], 97, seed=1)
+    T, n = 0.8, 3
+    with aqn.noise(model, 0.05, torch.Generator().manual_seed(0)):  # AQN in place on the norms
+        r = rollout.generate(model, prompts, n=n, max_new_tokens=7, temperature=T, top_p=0.9,
+                             stop_ids=(3, 11, 50), seed=5, kernels=kernels)
+        assert r.tokens.shape[0] == len(prompts) * n and r.prompt_index.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+        for i, comp in rows(r):
+            z = full_forward_z(model, prompts[i // n], comp, T)
+            ref = torch.log_softmax(z, -1).gather(1, torch.tensor(comp)[:, None])[:, 0]
+            assert (r.logprobs[i, : len(comp)].double() - ref).abs().max() <= 1e-4
+            assert (r.logprobs[i, len(comp):] == 0).all() and (r.tokens[i, len(comp):] == 0).all()
+    assert r.stats["kernels"] == kernels and r.stats["prefill_rows"] == len(prompts)
+
+
+def test_greedy_matches_transformers(hf_folder):
+    hf, model = load(hf_folder, with_lora=False, seed=3)
+    for prompt in prompts_of([6, 2], 97, seed=2):
+        with torch.no_grad():
+            theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=14, min_new_tokens=14, do_sample=False,
+                                 pad_token_id=0)[0, len(prompt):].tolist()
+        r = rollout.generate(model, [prompt], max_new_tokens=14, temperature=0.0)
+        assert r.tokens[0].tolist() == theirs and r.finish == ["length"]
+
+
+@pytest.mark.parametrize("kernels", ["torch", pytest.param("triton", marks=interpreted)])
+def test_padded_batch_equals_each_prompt_alone(hf_folder, kernels):
+    _, model = load(hf_folder, seed=4)
+    prompts = prompts_of([2, 11, 5, 1], 97, seed=3)
+    batch = rollout.generate(model, prompts, max_new_tokens=9, temperature=0.0, kernels=kernels)
+    for i, p in enumerate(prompts):
+        alone = rollout.generate(model, [p], max_new_tokens=9, temperature=0.0, kernels="torch")
+        assert batch.tokens[i].tolist() == alone.tokens[0].tolist()
+        assert torch.allclose(batch.logprobs[i], alone.logprobs[0], atol=1e-5)
+
+
+@interpreted
+def test_triton_kernels_match_torch_path_sampling(hf_folder):
+    """Same seed, same draws: the interpreted kernels (hash RNG, split softmax, top-k threshold) pick
+    the tokens the torch path picks."""
+    _, model = load(hf_folder, seed=5)
+    prompts = prompts_of([4, 7], 97, seed=4)
+    kw = dict(n=4, max_new_tokens=6, temperature=1.2, top_k=20, seed=11, stop_ids=(7,))
+    a = rollout.generate(model, prompts, kernels="torch", **kw)
+    b = rollout.generate(model, prompts, kernels="triton", **kw)
+    assert torch.equal(a.tokens, b.tokens) and a.finish == b.finish
+    assert torch.allclose(a.logprobs, b.logprobs, atol=1e-4)
+
+
+def test_seeds_reproduce_and_differ(hf_folder):
+    _, model = load(hf_folder, seed=6)
+    prompts = prompts_of([3, 8], 97, seed=5)
+    kw = dict(n=4, max_new_tokens=10, temperature=1.0)
+    a, b, c = (rollout.generate(model, prompts, seed=s, **kw) for s in (1, 1, 2))
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
+    assert not torch.equal(a.tokens, c.tokens)
+    # the n samples of one prompt are different draws, not copies
+    assert len({tuple(t) for _, t in rows(a)[:4]}) > 1
+
+
+def test_stop_tokens_and_max_length_per_row(hf_folder):
+    _, model = load(hf_folder, seed=7)
+    stops = set(range(1, 97, 4))  # a quarter of the vocabulary: some rows stop, some run out
+    r = rollout.generate(model, prompts_of([3, 6, 2], 97, seed=6), n=6, max_new_tokens=5, temperature=1.5,
+                         stop_ids=stops, seed=3, pad_id=0)
+    assert set(r.finish) == {"stop", "length"}
+    assert r.mask.sum(1).tolist() == r.lengths.tolist()
+    for i, comp in rows(r):
+        first = next((k for k, t in enumerate(comp) if t in stops), None)
+        if r.finish[i] == "stop":
+            assert first == len(comp) - 1  # the stop token ends the completion and is counted
+        else:
+            assert first is None and len(comp) == 5
+        assert (r.tokens[i, len(comp):] == 0).all()
+
+
+@pytest.mark.parametrize("top_p,top_k", [(0.6, 0), (1.0, 3), (0.8, 5)])
+def test_top_p_top_k_stay_inside_their_sets(hf_folder, top_p, top_k):
+    _, model = load(hf_folder, seed=8)
+    prompts = prompts_of([4, 2], 97, seed=7)
+    T = 1.4
+    r = rollout.generate(model, prompts, n=16, max_new_tokens=6, temperature=T, top_p=top_p, top_k=top_k, seed=9)
+    for i, comp in rows(r):
+        z = full_forward_z(model, prompts[i // 16], comp, T)  # (len, V), float64
+        for pos, tok in enumerate(comp):
+            zs, order = z[pos].sort(descending=True)
+            p = torch.softmax(zs, -1)
+            rank = (order == tok).nonzero().item()
+            if top_k:
+                assert rank < top_k
+            if top_p < 1:
+                assert (p[:rank].sum() < top_p + 1e-6).item()
+
+
+def test_samples_share_the_prompt_prefill(hf_folder):
+    _, model = load(hf_folder, seed=9)
+    seen = []
+    hook = model.embed_tokens.register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
+    prompts = prompts_of([5, 3, 8], 97, seed=8)
+    r = rollout.generate(model, prompts, n=5, max_new_tokens=4, temperature=1.0, seed=0)
+    hook.remove()
+    prefill = [s for s in seen if len(s) == 2]
+    assert prefill == [(3, 8)]  # one pass over the 3 distinct prompts (left-padded to 8), not 15 rows
+    assert r.tokens.shape[0] == 15 and seen[1:] == [(15,)] * 3  # then one decode step of all rows per token
+
+
+def test_sampler_draws_from_the_softmax():
+    """Gumbel-max with the hash RNG: empirical frequencies match softmax(z / T), and top-k / top-p
+    renormalize inside their sets."""
+    V, N = 6, 40000
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 0.3]]).expand(N, V)
+    keys = rollout.row_keys(123, torch.arange(N))
+    for T, top_p, top_k in [(1.0, 1.0, 0), (0.7, 1.0, 3), (1.0, 0.7, 0)]:
+        tok, lp = rollout.sample_reference(logits, keys, step=4, temperature=T, top_p=top_p, top_k=top_k)
+        p = torch.softmax(logits[0] / T, -1)
+        assert torch.allclose(lp, p.log()[tok], atol=1e-5)  # logprobs of the untruncated distribution
+        keep = torch.ones(V, dtype=torch.bool)
+        if top_k:
+            keep = p >= p.topk(top_k).values[-1]
+        if top_p < 1:
+            ps, order = p.sort(descending=True)
+            keep = torch.zeros(V, dtype=torch.bool)
+            keep[order[(ps.cumsum(0) - ps) < top_p]] = True
+        target = torch.where(keep, p, 0.0) / torch.where(keep, p, 0.0).sum()
+        freq = torch.bincount(tok, minlength=V).double() / N
+        assert (freq - target).abs().max() < 0.01
+    # another step gives other draws
+    assert not torch.equal(rollout.sample_reference(logits, keys, 4)[0], rollout.sample_reference(logits, keys, 5)[0])
+
+
+def test_rejects_bad_arguments(hf_folder):
+    _, model = load(hf_folder, with_lora=False)
+    with pytest.raises(ValueError):
+        rollout.generate(model, [[]])
+    with pytest.raises(ValueError):
+        rollout.generate(model, [[1, 2]], top_p=0.0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_graphs_and_kernels_match_eager_torch(hf_folder):
+    hf, folder = hf_folder("qwen2", seed=10, **{**CFG, "hidden_size": 256, "num_attention_heads": 4,
+                                                 "num_key_value_heads": 2, "intermediate_size": 512})
+    model = M.Transformer.from_pretrained(folder, dtype=torch.float32, device="cuda")
+    lora.apply_lora(model, rank=8, alpha=16)
+    with torch.no_grad():
+        for m in lora.lora_modules(model).values():
+            m.lora_B.weight.normal_(0, 0.1)
+    prompts = prompts_of([13, 4, 30], 97, seed=9)
+    kw = dict(n=3, max_new_tokens=40, temperature=0.9, top_p=0.95, seed=1, stop_ids=(5,))
+    ref = rollout.generate(model, prompts, kernels="torch", graphs=False, **kw)
+    fast = rollout.generate(model, prompts, kernels="triton", graphs=True, **kw)
+    assert fast.stats["graphs"] and fast.stats["kernels"] == "triton"
+    same = (fast.tokens == ref.tokens).all(1).float().mean()
+    assert same >= 0.8  # fp32 everywhere; a rare near-tie may flip one draw
+    for i, comp in rows(fast):
+        z = full_forward_z(model, prompts[i // 3], comp, 0.9)
+        lp = torch.log_softmax(z, -1).gather(1, torch.tensor(comp, device=z.device)[:, None])[:, 0]
+        assert (fast.logprobs[i, : len(comp)].double() - lp).abs().max() <= 1e-3
