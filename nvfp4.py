@@ -135,11 +135,18 @@ def quantize(w, name="weight"):
     return NVFP4Tensor(pack(codes), scale, gs)
 
 
+def byte_table(device=None):
+    """(256, 2) float32: the two values each packed byte decodes to (low nibble first)."""
+    b = torch.arange(256, device=device)
+    return e2m1_table(device)[torch.stack([b & 0xF, b >> 4], dim=-1)]
+
+
 def dequantize(q, dtype=torch.float32):
-    """NVFP4Tensor → (N, K) tensor of `dtype`, computed in float32: e2m1 * (scale / global_scale)."""
+    """NVFP4Tensor → (N, K) tensor of `dtype`, computed in float32: e2m1 * (scale / global_scale).
+    global_scale may also hold one value per row, shape (N,), as fused projections do (fp4_gemm)."""
     n, k = q.shape
-    values = e2m1_table(q.packed.device)[unpack(q.packed).long()]  # (N, K)
-    block_scale = q.scale.float() / q.global_scale.float()  # (N, K/16)
+    values = byte_table(q.packed.device)[q.packed.int()]  # (N, K/2, 2): one lookup decodes both nibbles
+    block_scale = q.scale.float() / q.global_scale.float().reshape(-1, 1)  # (N, K/16)
     w = values.reshape(n, k // BLOCK, BLOCK) * block_scale.unsqueeze(-1)
     return w.reshape(n, k).to(dtype)
 

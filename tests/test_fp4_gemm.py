@@ -1,0 +1,311 @@
+"""fp4_gemm.py: the Triton NVFP4 kernels and the torch path against a float64 reference.
+
+On a CPU-only machine the Triton kernels run in Triton's interpreter (fp4_gemm switches
+TRITON_INTERPRET on before triton is first imported when no GPU is present; this file does the same
+in case it is imported first). With a GPU the same tests run the compiled kernels, plus the checks
+that only make sense there (the PTX decode against the plain one, CUDA graphs, torch.compile).
+
+What is asserted and why:
+- Reference: x.double() @ W.double().T (+ bias), W decoded from the codes in float64 by a table
+  written here (not by fp4_gemm), so a wrong nibble order or scale decode fails.
+- Tolerance: relative Frobenius error ≤ 1e-2 for bf16/fp16 inputs. The Triton kernels build exact
+  weights and accumulate in fp32, so their error is the final rounding to bf16 (~2e-3 RMS); the torch
+  path also rounds W to bf16 first. For fp32 inputs ≤ 1e-5: only fp32 accumulation error remains
+  (K ≤ 272 terms, observed ~1e-7), far above what a wrong element would give.
+- Every output buffer the kernels allocate is poisoned with NaN (torch.empty is patched for the
+  test), so an element a kernel forgot to write fails the comparison.
+- Fresh random inputs per case (seeded by the case, so a failure reproduces).
+"""
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import fp4_gemm  # noqa: E402
+import nvfp4  # noqa: E402
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+needs_triton = pytest.mark.skipif(
+    not fp4_gemm.HAS_TRITON or (DEV.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"),
+    reason="needs triton (interpreter on CPU: TRITON_INTERPRET=1 must be set before triton is imported)")
+gpu_only = pytest.mark.skipif(DEV.type != "cuda", reason="needs a CUDA GPU")
+
+
+def ref_weight(packed, scale, gs):
+    """float64 (N, K) from the stored bytes, decoded independently of fp4_gemm/nvfp4."""
+    p = packed.cpu().long()
+    codes = torch.stack([p & 0xF, p >> 4], -1).reshape(p.shape[0], -1)  # (N, K), element 2i = low nibble
+    table = torch.tensor(E2M1 + [-v for v in E2M1], dtype=torch.float64)
+    vals = table[codes]
+    s = scale.cpu().float().double().repeat_interleave(16, dim=1)  # (N, K)
+    return vals * s / gs.cpu().double().reshape(-1, 1)
+
+
+def make_q(n, k, per_row=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 3  # rows of varied size
+    w[:, :16] *= 1e-4  # a block whose scale is an E4M3 subnormal
+    if per_row:  # rows quantized in groups, each with its own global scale (as after QuantLinear.concat)
+        cut = [0, n // 3, n]
+        qs = [nvfp4.quantize(w[a:b]) for a, b in zip(cut, cut[1:]) if b > a]
+        gs = torch.cat([q.global_scale.expand(q.packed.shape[0]) for q in qs])
+        q = nvfp4.NVFP4Tensor(torch.cat([q.packed for q in qs]), torch.cat([q.scale for q in qs]), gs.clone())
+    else:
+        q = nvfp4.quantize(w)
+    return q.to(DEV)
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every float buffer created with torch.empty starts as NaN for the duration of the test."""
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+def rel_err(y, ref):
+    return ((y.double().cpu() - ref).norm() / ref.norm()).item()
+
+
+def tol(dtype):
+    return 1e-5 if dtype == torch.float32 else 1e-2
+
+
+# (M, K, N): odd shapes, sampled from M {1, 3, 17} x K {16, 48, 272} x N {8, 40, 264}
+SHAPES = [(1, 16, 8), (1, 272, 264), (3, 48, 40), (3, 272, 8), (17, 16, 264), (17, 272, 40), (17, 48, 8)]
+
+
+def run_case(M, K, N, dtype, bias, per_row, lead, seed, path, kernel=None):
+    q = make_q(N, K, per_row, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(*lead, M, K, generator=g).to(dtype).to(DEV)
+    b = (torch.randn(N, generator=g) * 0.5).to(dtype).to(DEV) if bias else None
+    w = ref_weight(q.packed, q.scale, q.global_scale)
+    ref = x.double().cpu() @ w.t() + (b.double().cpu() if bias else 0)
+    with fp4_gemm.backend(path, kernel=kernel):
+        y = fp4_gemm.fp4_linear(x, q, b)
+    assert y.shape == (*lead, M, N) and y.dtype == dtype and y.device.type == DEV.type
+    assert torch.isfinite(y).all(), "an output element was never written (NaN poison) or overflowed"
+    return rel_err(y, ref)
+
+
+@pytest.mark.parametrize("M,K,N", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_torch_path(M, K, N, dtype, poisoned):
+    for bias, per_row, lead in [(False, False, ()), (True, True, (2,))]:
+        err = run_case(M, K, N, dtype, bias, per_row, lead, seed=M * 1000 + K + N, path="torch")
+        assert err <= tol(dtype), (bias, per_row, err)
+
+
+@needs_triton
+@pytest.mark.parametrize("kernel", ["gemv", "tiled", "dequant"])
+@pytest.mark.parametrize("case", range(6))
+def test_triton_forward(kernel, case, poisoned):
+    # A different sample of (shape, dtype, bias, per-row scale, leading dims) per case and kernel.
+    g = torch.Generator().manual_seed(case * 7 + len(kernel))
+    shapes = [s for s in SHAPES if kernel != "gemv" or s[0] <= 3]  # the interpreter runs a GEMV row per program
+    M, K, N = shapes[(case + len(kernel)) % len(shapes)]
+    dtype = [torch.bfloat16, torch.float32][case % 2] if kernel != "dequant" or case % 2 == 0 else torch.bfloat16
+    bias, per_row = bool(torch.randint(2, (), generator=g)), case % 3 == 1
+    lead = [(), (2,), (2, 1)][case % 3]
+    err = run_case(M, K, N, dtype, bias, per_row, lead, seed=case + 100 * len(kernel), path="triton", kernel=kernel)
+    assert err <= tol(dtype), (M, K, N, dtype, bias, per_row, err)
+
+
+@needs_triton
+@pytest.mark.parametrize("kernel,plan", [
+    ("gemv", dict(kernel="gemv", BLOCK_N=16, BLOCK_K=32, SPLIT_K=3)),
+    ("tiled", dict(kernel="tiled", BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=2, SPLIT_K=4)),
+    ("tiled", dict(kernel="tiled", BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=1, SPLIT_K=2)),
+])
+def test_split_k(kernel, plan, poisoned):
+    """Split-K: fp32 partials in a workspace (poisoned too) summed by the reduce kernel, with uneven
+    splits (K = 272 is no multiple of the split's K range) and tiles that overhang N and M."""
+    M, K, N = (2, 272, 40) if kernel == "gemv" else (17, 272, 40)
+    q = make_q(N, K, per_row=True, seed=5)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16).to(DEV)
+    b = torch.randn(N, generator=g).to(torch.bfloat16).to(DEV)
+    y = fp4_gemm.triton_linear(x, q.packed, q.scale.view(torch.uint8), q.global_scale, b, plan)
+    ref = x.double().cpu() @ ref_weight(q.packed, q.scale, q.global_scale).t() + b.double().cpu()
+    assert torch.isfinite(y).all()
+    assert rel_err(y, ref) <= 1e-2
+
+
+@pytest.mark.parametrize("path,kernel", [("torch", None)] + ([("triton", "tiled"), ("triton", "dequant")]
+                                                          if fp4_gemm.HAS_TRITON else []))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_backward_dx_only(path, kernel, dtype, poisoned):
+    """dX = dY @ W (float64 reference); packed weight, scales and global scale get no gradient; a
+    trainable bias gets dY summed over the leading dims."""
+    if path == "triton" and DEV.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no interpreter")
+    M, K, N = 17, 48, 40
+    layer = fp4_gemm.QuantLinear(K, N, bias=True, dtype=dtype, device=DEV)
+    q = make_q(N, K, per_row=(dtype == torch.float32), seed=11)
+    if q.global_scale.numel() > 1:
+        layer = fp4_gemm.QuantLinear(K, N, bias=True, dtype=dtype, device=DEV, per_row_scale=True)
+    layer.weight_packed.copy_(q.packed)
+    layer.weight_scale.copy_(q.scale)
+    layer.weight_global_scale.copy_(q.global_scale)
+    layer.bias.requires_grad_(True)
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(2, M, K, generator=g).to(dtype).to(DEV).requires_grad_(True)
+    dy = torch.randn(2, M, N, generator=g).to(dtype).to(DEV)
+    with fp4_gemm.backend(path, kernel=kernel):
+        layer(x).backward(dy)
+    w = ref_weight(q.packed, q.scale, q.global_scale)
+    assert x.grad.dtype == dtype and torch.isfinite(x.grad).all()
+    assert rel_err(x.grad, dy.double().cpu() @ w) <= tol(dtype)
+    assert rel_err(layer.bias.grad, dy.double().cpu().sum((0, 1))) <= tol(dtype)
+    assert all(not b.requires_grad for b in layer.buffers())
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dequant_kernel_is_bit_identical(dtype, poisoned):
+    """The dequant path's Triton kernel reproduces nvfp4.dequantize (per-tensor scale) and
+    fp4_gemm.dequantize (per-row) bit for bit: same float32 arithmetic, one rounding. (Triton's
+    interpreter rounds float32 → bf16 by truncation, so on CPU bf16 may differ by one bf16 step.)"""
+    for per_row in (False, True):
+        q = make_q(40, 272, per_row, seed=21 + per_row)
+        got = fp4_gemm.dequantize_triton(q.packed, q.scale.view(torch.uint8), q.global_scale, dtype).cpu()
+        want = (fp4_gemm.dequantize(q.packed, q.scale, q.global_scale, dtype) if per_row
+                else nvfp4.dequantize(q, dtype)).cpu()
+        if dtype == torch.float32 or DEV.type == "cuda":
+            assert torch.equal(got, want)
+        else:
+            assert ((got.float() - want.float()).abs() <= want.float().abs() * 2**-7).all()
+        exact = ref_weight(q.packed, q.scale, q.global_scale)  # float32 scale / g is the only rounding
+        assert torch.allclose(fp4_gemm.dequantize(q.packed, q.scale, q.global_scale, torch.float64).cpu(), exact,
+                              rtol=2**-23, atol=0)
+
+
+def test_concat_is_exact_on_the_torch_path():
+    """QuantLinear.concat (q/k/v, gate/up fusion) keeps each part's global scale per row, so the
+    fused output equals the separate outputs bit for bit."""
+    torch.manual_seed(31)
+    K = 48
+    parts = [torch.nn.Linear(K, n, bias=b, dtype=torch.bfloat16) for n, b in ((24, True), (8, False), (16, True))]
+    for lin in parts:
+        lin.weight.data *= torch.rand(()) * 10  # different amax → different global scales
+    qs = [fp4_gemm.QuantLinear.from_linear(lin) for lin in parts]
+    fused = fp4_gemm.QuantLinear.concat(qs)
+    assert fused.weight_global_scale.shape == (48,) and fused.split_sizes == [24, 8, 16]
+    x = torch.randn(3, 5, K, dtype=torch.bfloat16)
+    with fp4_gemm.backend("torch"):
+        want = torch.cat([q(x) for q in qs], -1)
+        got = fused(x)
+    assert torch.equal(got, want)
+    assert torch.equal(fused.dequantized_weight(), torch.cat([q.dequantized_weight() for q in qs]))
+
+
+@needs_triton
+def test_concat_through_triton(poisoned):
+    parts = [fp4_gemm.QuantLinear(272, n, bias=False, device=DEV) for n in (24, 40)]
+    for i, p in enumerate(parts):
+        q = make_q(p.out_features, 272, seed=40 + i)
+        p.weight_packed.copy_(q.packed)
+        p.weight_scale.copy_(q.scale)
+        p.weight_global_scale.copy_(q.global_scale * (1 + 3 * i))
+    fused = fp4_gemm.QuantLinear.concat(parts)
+    x = torch.randn(3, 272, dtype=torch.bfloat16, device=DEV)
+    with fp4_gemm.backend("triton"):
+        got = fused(x)
+    w = torch.cat([ref_weight(p.weight_packed, p.weight_scale, p.weight_global_scale) for p in parts])
+    assert rel_err(got, x.double().cpu() @ w.t()) <= 1e-2
+
+
+def test_backend_choice(monkeypatch):
+    """auto: torch on CPU tensors, Triton on CUDA ones; forcing either works; bad names are refused."""
+    called = []
+    monkeypatch.setattr(fp4_gemm, "triton_linear", lambda *a, **k: called.append("triton") or torch.zeros(1, 8))
+    q = make_q(8, 16, seed=50)
+    x = torch.randn(1, 16, device=DEV)
+    fp4_gemm.fp4_linear(x, q)
+    assert called == (["triton"] if DEV.type == "cuda" and fp4_gemm.HAS_TRITON else [])
+    with fp4_gemm.backend("torch"):
+        fp4_gemm.fp4_linear(x, q)
+    assert len(called) == (1 if DEV.type == "cuda" and fp4_gemm.HAS_TRITON else 0)
+    if fp4_gemm.HAS_TRITON:
+        with fp4_gemm.backend("triton"):
+            fp4_gemm.fp4_linear(x, q)
+        assert called[-1] == "triton"
+    with pytest.raises(ValueError):
+        fp4_gemm.set_backend("cutlass")
+    assert fp4_gemm._choice["backend"] in fp4_gemm.BACKENDS
+
+
+def test_shape_errors():
+    q = make_q(8, 32, seed=60)
+    with pytest.raises(ValueError):
+        fp4_gemm.fp4_linear(torch.randn(2, 48, device=DEV), q)
+    with pytest.raises(ValueError):
+        fp4_gemm.QuantLinear(30, 8)
+
+
+def test_opcheck_and_compile_trace():
+    """The custom op's fake (meta) implementation and autograd registration are consistent, and
+    torch.compile traces a layer as one opaque op without graph breaks. (opcheck's schema test
+    perturbs inputs arithmetically, which float8 tensors do not support on CPU.)"""
+    q = make_q(24, 48, seed=70)
+    x = torch.randn(5, 48, dtype=torch.float32, device=DEV, requires_grad=True)
+    b = torch.randn(24, device=DEV)
+    with fp4_gemm.backend("torch"):
+        torch.library.opcheck(torch.ops.qerl.fp4_linear.default, (x, q.packed, q.scale, q.global_scale, b),
+                              test_utils=("test_autograd_registration", "test_faketensor"))
+        f = torch.compile(lambda t: fp4_gemm.fp4_linear(t, q, b).square().sum(), backend="aot_eager", fullgraph=True)
+        f(x).backward()
+    ref = x.detach().double().cpu() @ ref_weight(q.packed, q.scale, q.global_scale).t() + b.double().cpu()
+    assert rel_err(x.grad, (2 * ref) @ ref_weight(q.packed, q.scale, q.global_scale)) < 1e-5
+
+
+@gpu_only
+def test_gpu_ptx_decode_matches_plain_decode():
+    """The PTX decode (GPU) builds the same exact weights as the plain Triton decode: the tiled
+    kernel's outputs agree bit for bit, the GEMV (different summation order) to fp32 rounding."""
+    q = make_q(264, 272, per_row=True, seed=80)
+    x = torch.randn(17, 272, dtype=torch.bfloat16, device=DEV)
+    args = (q.packed, q.scale.view(torch.uint8), q.global_scale, None)
+    for bn, bk in ((32, 64), (64, 256)):
+        plan = dict(kernel="tiled", BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=4, SPLIT_K=1, num_warps=4,
+                    num_stages=2)
+        fast = fp4_gemm.triton_linear(x, *args, plan)
+        slow = fp4_gemm.triton_linear(x, *args, dict(plan, asm=False))
+        assert torch.equal(fast, slow)
+    plan = dict(kernel="gemv", BLOCK_N=16, BLOCK_K=256, SPLIT_K=1, num_warps=4)
+    fast = fp4_gemm.triton_linear(x[:1].float(), *args, plan)
+    slow = fp4_gemm.triton_linear(x[:1].float(), *args, dict(plan, asm=False))
+    assert rel_err(fast, slow.double().cpu()) < 1e-6
+
+
+@gpu_only
+def test_gpu_cuda_graph_and_compile():
+    """A decode-sized call replays inside a CUDA graph and runs under torch.compile with the same result."""
+    layer = fp4_gemm.QuantLinear.from_linear(torch.nn.Linear(512, 384, dtype=torch.bfloat16, device=DEV))
+    x = torch.randn(4, 512, dtype=torch.bfloat16, device=DEV)
+    want = layer(x)  # also compiles the kernel before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = layer(x)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(got, layer(x))
+    compiled = torch.compile(layer, fullgraph=True)
+    assert torch.equal(compiled(x), layer(x))
+    assert not torch.equal(want, got)  # the replay really recomputed from the new x
