@@ -1,0 +1,149 @@
+"""bench.py: full RL steps on one GPU, 16-bit LoRA against NVFP4 LoRA, side by side in one run.
+
+QeRL's headline claim (arXiv 2510.11696, Sec. 4.3) is that an RL step on an NVFP4 base is faster
+than on a bf16 base (rollout is memory-bound decoding, which reads 3.5x fewer weight bytes) and fits
+a 32B model on one 80 GB GPU. This script measures both on Qwen2.5-shaped models with random weights
+(no checkpoint is needed, so it runs on a machine without internet):
+
+    one step = rollout (prompts x G completions of exactly --new-tokens tokens: no stop token, so
+               every configuration decodes the same amount)
+             + a reward stand-in (random 0/1 per completion, so every group carries signal)
+             + one update pass of train.update (DAPO loss, activation checkpointing, chunked logprobs,
+               AdamW on the LoRA parameters)
+
+and prints rollout tokens/s, update tokens/s, the step time split, peak GPU memory
+(torch.cuda.max_memory_allocated) and the NVFP4 / bf16 ratios. `--mem-cap-gb 80` caps the process
+with torch.cuda.set_per_process_memory_fraction to reproduce an 80 GB card on a larger one.
+
+    python bench.py --size 7b                       # bf16 and NVFP4, 8 prompts x 8, 256 + 1024 tokens
+    python bench.py --size 32b --modes nvfp4 --mem-cap-gb 80
+"""
+import argparse
+import gc
+import time
+from types import SimpleNamespace
+
+import torch
+
+import lora
+import rollout
+import train
+from model import Transformer, qwen25_config
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="RL step benchmark: bf16-LoRA vs NVFP4-LoRA on random Qwen2.5 shapes.")
+    p.add_argument("--size", default="7b", help="Qwen2.5 shape: 0.5b, 1.5b, 3b, 7b, 14b, 32b")
+    p.add_argument("--modes", default="bf16,nvfp4", help="comma-separated base formats to compare")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    p.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
+    p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens")
+    p.add_argument("--new-tokens", type=int, default=1024, help="generated tokens per completion (forced)")
+    p.add_argument("--steps", type=int, default=2, help="timed RL steps per mode (after one warm-up step)")
+    p.add_argument("--lora-rank", type=int, default=32, help="LoRA rank on all seven projections")
+    p.add_argument("--micro-batch", type=int, default=8, help="sequences per update forward/backward")
+    p.add_argument("--mem-cap-gb", type=float, default=None, help="cap this process's GPU memory (e.g. 80)")
+    p.add_argument("--decode-batch1", action="store_true", help="also time batch-1 rollout tok/s")
+    return p.parse_args(argv)
+
+
+def update_args(a):
+    """train.update's knobs for one on-policy DAPO pass."""
+    return SimpleNamespace(adv_std="group", overlong_filter=False, update_passes=1, aqn_update=False,
+                           micro_batch=a.micro_batch, temperature=1.0, logp_chunk=1024, beta=0.0, eps_low=0.2,
+                           eps_high=0.28, loss_agg="token-mean", max_new_tokens=a.new_tokens, grad_clip=1.0)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_mode(a, mode, device, cfg):
+    """Build a random model of cfg's shape with `mode` base weights, run 1 + a.steps RL steps, and
+    return the timings of the last a.steps."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.time()
+    model = Transformer.from_random(cfg, dtype=torch.bfloat16, device=device, quantize=mode == "nvfp4")
+    params = lora.apply_lora(model, rank=a.lora_rank, alpha=a.lora_rank)
+    for p in params:  # nonzero B, as after some training, so the adapters do real work
+        p.data.normal_(0, 1e-3)
+    model.gradient_checkpointing = True
+    optimizer = torch.optim.AdamW(params, lr=1e-5)
+    build_s = time.time() - t0
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, cfg.vocab_size, (a.prompt_len,), generator=gen).tolist() for _ in range(a.prompts)]
+    ua = update_args(a)
+    rows = []
+    for step in range(a.steps + 1):  # step 0 warms up (compilation, graph capture, autotuning)
+        sync(device)
+        t0 = time.time()
+        model.eval()
+        with torch.no_grad():
+            ro = rollout.generate(model, prompts, n=a.group_size, max_new_tokens=a.new_tokens, temperature=1.0,
+                                  stop_ids=(), seed=step)
+        sync(device)
+        t1 = time.time()
+        correct = torch.randint(0, 2, (a.prompts, a.group_size), generator=gen).float()  # the reward stand-in
+        groups = [dict(item=i, rollout=ro, rows=list(range(i * a.group_size, (i + 1) * a.group_size)), reward=correct[i])
+                  for i in range(a.prompts)]
+        metrics = train.update(ua, model, optimizer, params, groups, correct, lambda i: prompts[i], 0.0, 0, device)
+        sync(device)
+        t2 = time.time()
+        if step:
+            gen_tokens = int(ro.lengths.sum())
+            upd_tokens = gen_tokens + a.prompts * a.group_size * a.prompt_len
+            rows.append(dict(rollout_s=t1 - t0, update_s=t2 - t1, step_s=t2 - t0, rollout_tok_s=gen_tokens / (t1 - t0),
+                             update_tok_s=upd_tokens / (t2 - t1)))
+    res = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+    res.update(mode=mode, build_s=build_s, peak_gb=peak, grad_norm=metrics["grad_norm"])
+    if a.decode_batch1:
+        with torch.no_grad():
+            rollout.generate(model, prompts[:1], n=1, max_new_tokens=64, stop_ids=(), seed=0)  # warm-up
+            sync(device)
+            t0 = time.time()
+            ro = rollout.generate(model, prompts[:1], n=1, max_new_tokens=a.new_tokens, stop_ids=(), seed=1)
+            sync(device)
+        res["batch1_tok_s"] = int(ro.lengths.sum()) / (time.time() - t0)
+    rollout.release(model)
+    del model, params, optimizer, ro
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.py needs a CUDA GPU")
+    device = torch.device("cuda")
+    total = torch.cuda.get_device_properties(0).total_memory
+    if a.mem_cap_gb:
+        torch.cuda.set_per_process_memory_fraction(min(1.0, a.mem_cap_gb * 1e9 / total))
+    print(f"{torch.cuda.get_device_name(0)} ({total / 2**30:.0f} GiB{f', capped at {a.mem_cap_gb} GB' if a.mem_cap_gb else ''}); "
+          f"Qwen2.5-{a.size} shape, random weights; {a.prompts} prompts x G={a.group_size}, prompt {a.prompt_len}, "
+          f"{a.new_tokens} new tokens forced, LoRA r={a.lora_rank} on q,k,v,o,gate,up,down; {a.steps} timed steps")
+    results = {}
+    for mode in a.modes.split(","):
+        results[mode] = run_mode(a, mode, device, qwen25_config(a.size))
+        r = results[mode]
+        print(f"  {mode}: built in {r['build_s']:.0f} s, step {r['step_s']:.1f} s, peak {r['peak_gb']:.1f} GiB", flush=True)
+    cols = ["rollout_tok_s", "update_tok_s", "rollout_s", "update_s", "step_s", "peak_gb"] + \
+           (["batch1_tok_s"] if a.decode_batch1 else [])
+    print("\n| base | " + " | ".join(cols) + " |")
+    print("|---" * (len(cols) + 1) + "|")
+    for mode, r in results.items():
+        print(f"| {mode} | " + " | ".join(f"{r[c]:.1f}" for c in cols) + " |")
+    if "bf16" in results and "nvfp4" in results:
+        b, n = results["bf16"], results["nvfp4"]
+        print(f"\nNVFP4 / bf16: step time {n['step_s'] / b['step_s']:.2f}x, rollout speed-up "
+              f"{n['rollout_tok_s'] / b['rollout_tok_s']:.2f}x, update speed-up {n['update_tok_s'] / b['update_tok_s']:.2f}x")
+    return results
+
+
+if __name__ == "__main__":
+    main()
