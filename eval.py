@@ -1,0 +1,236 @@
+"""Evaluate a policy (a base model, NVFP4 or not, plus an optional LoRA adapter) on math benchmarks.
+
+    python eval.py --model tiny --data arith                         # seconds on a CPU
+    python eval.py --model qwen2.5-7b --adapter runs/x/adapter --quant nvfp4 --data math500 --samples 4
+
+For each problem we sample K completions (rollout.generate, batched and KV-cached), grade each with
+tasks.grade (the same judge RL is rewarded by), and report:
+
+- avg@K: the fraction of all N*K completions that are right. It is the unbiased estimate of pass@1 at
+  this temperature, with less variance than one sample a problem; `accuracy` and `pass@1` are this
+  number.
+- pass@k for k = 1, 2, 4, ... <= K (and K): the probability that at least one of k completions is right,
+  with the unbiased estimator of Chen et al. 2021 (the Codex paper). A problem with c right out of n
+  samples contributes
+
+      pass@k = 1 - C(n - c, k) / C(n, k) = 1 - prod_{i = n - c + 1}^{n} (1 - k / i)
+
+  (the product form avoids huge binomials); it is 1 when n - c < k. Averaged over problems. Plugging in
+  "any of the first k samples is right" instead would be unbiased too but waste the other n - k.
+- per-level and per-subject avg@K when the items carry them (MATH500), the mean completion length and
+  the fraction cut off at --max-new-tokens.
+
+The summary goes to OUT/summary.json, every completion with its grade and extracted answer to
+OUT/samples.jsonl, and the summary is printed.
+
+Departures from the official QeRL evaluation, each on purpose:
+- The LoRA adapter is applied. The official GSM8K eval script builds the vLLM engine from the base
+  checkpoint and never passes the trained adapter, so it reports the base model's accuracy;
+  tests/test_eval.py checks that an adapter with nonzero B changes our completions.
+- Answers are judged by tasks.grade (exact rational comparison for `#### N`, math-verify equivalence
+  for `\\boxed{}`), not by comparing the first character of each answer as the official GSM8K script
+  does.
+- Defaults follow the paper's evaluation (temperature 0.6, top-p 0.95); the tiny policy is meant to
+  be read at temperature 1 (train.py's held-out metric), which --temperature 1 --top-p 1 gives.
+
+`evaluate(model, tokenizer, items, kind, ...)` is the library entry point (train.py's held-out eval);
+`main(argv)` is the CLI and returns the summary.
+"""
+
+import argparse
+import json
+import math
+import os
+import re
+import time
+from collections import defaultdict
+
+import torch
+
+import tasks
+
+DEFAULT_MAX_NEW_TOKENS = {"arith": 64, "gsm8k": 512}  # anything else (MATH-style): 2048
+
+
+def pass_at_k(n, c, k):
+    """Unbiased pass@k of one problem with c right out of n samples (Chen et al. 2021)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def ks_for(samples):
+    """1, 2, 4, ... up to `samples`, and `samples` itself."""
+    ks = [2**i for i in range(int(math.log2(samples)) + 1)]
+    return ks if ks[-1] == samples else ks + [samples]
+
+
+def stop_token_ids(tokenizer):
+    """Every id that ends a chat turn: eos, and Qwen's <|im_end|> / <|endoftext|> when present."""
+    ids = {tokenizer.eos_token_id}
+    for t in ("<|im_end|>", "<|endoftext|>"):
+        i = tokenizer.convert_tokens_to_ids(t)
+        if isinstance(i, int) and i != tokenizer.unk_token_id:
+            ids.add(i)
+    return sorted(i for i in ids if isinstance(i, int) and i >= 0)
+
+
+def _breakdown(records, field):
+    """avg@K per value of an item field (MATH500's level / subject), from the per-sample records."""
+    hits = defaultdict(list)
+    for r in records:
+        if r.get(field) is not None:
+            hits[r[field]].append(r["correct"])
+    return {str(k): {"n": len(v), "accuracy": sum(v) / len(v)}
+            for k, v in sorted(hits.items(), key=lambda kv: str(kv[0]))}
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, items, kind=None, *, samples=1, temperature=0.6, top_p=0.95, max_new_tokens=1024,
+             batch_size=64, seed=0, progress=False):
+    """Sample `samples` completions of each item and grade them.
+
+    items: tasks.load_dataset records ({question, answer[, kind, level, subject, id]}); an item's own
+    `kind` wins over the `kind` argument (the default for items without one). batch_size: completions
+    per rollout.generate call (prompts per call = batch_size // samples, at least 1). seed: the
+    sampling seed; batch b uses seed + b, so the result does not depend on anything else.
+
+    Returns {"accuracy", "pass@1", "avg@K", "pass@k": {k: ...}, "n", "samples", "mean_length",
+    "truncated", "by_level", "by_subject", "seconds", "records"}; records holds one dict a completion
+    (item index, sample index, completion text, extracted answer, correct, length, finish)."""
+    import rollout
+
+    if not items:
+        raise ValueError("evaluate needs at least one item")
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1, got {samples}")
+    max_new_tokens = max_new_tokens or 1024
+    kinds = [it.get("kind") or kind for it in items]
+    if any(k is None for k in kinds):
+        raise ValueError("items without a 'kind' need the kind argument ('gsm8k' or 'math')")
+    prompts = [tokenizer(tasks.get_task(k).build_prompt(tokenizer, it["question"]), add_special_tokens=False)["input_ids"]
+               for it, k in zip(items, kinds)]
+    stops = stop_token_ids(tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+    per_call = max(1, batch_size // samples)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(items), desc="eval", unit="problem", dynamic_ncols=True)
+    t0 = time.time()
+    records = []
+    for b, start in enumerate(range(0, len(items), per_call)):
+        chunk = prompts[start:start + per_call]
+        ro = rollout.generate(model, chunk, n=samples, max_new_tokens=max_new_tokens, temperature=temperature,
+                              top_p=top_p, stop_ids=stops, seed=seed + b, pad_id=pad_id)
+        texts = ro.texts(tokenizer, skip_special_tokens=True)
+        for row, text in enumerate(texts):
+            i = start + int(ro.prompt_index[row])
+            it, k = items[i], kinds[i]
+            records.append({"index": i, "sample": row % samples, "id": it.get("id", i), "kind": k,
+                            "level": it.get("level"), "subject": it.get("subject"),
+                            "question": it["question"], "gold": it["answer"], "completion": text,
+                            "extracted": tasks.extract_answer(k, text),
+                            "correct": bool(tasks.grade(k, text, it["answer"])),
+                            "length": int(ro.lengths[row]), "finish": ro.finish[row]})
+        if bar is not None:
+            right = sum(r["correct"] for r in records)
+            bar.set_postfix(acc=f"{right / len(records):.3f}")
+            bar.update(len(chunk))
+    if bar is not None:
+        bar.close()
+
+    right = defaultdict(int)
+    for r in records:
+        right[r["index"]] += r["correct"]
+    avg = sum(right[i] for i in range(len(items))) / (len(items) * samples)
+    pass_k = {k: sum(pass_at_k(samples, right[i], k) for i in range(len(items))) / len(items)
+              for k in ks_for(samples)}
+    return {"accuracy": avg, "pass@1": avg, f"avg@{samples}": avg, "pass@k": pass_k, "n": len(items),
+            "samples": samples, "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
+            "mean_length": sum(r["length"] for r in records) / len(records),
+            "truncated": sum(r["finish"] == "length" for r in records) / len(records),
+            "by_level": _breakdown(records, "level"), "by_subject": _breakdown(records, "subject"),
+            "seconds": time.time() - t0, "records": records}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="pass@1 / avg@K / pass@K of a policy on a math benchmark.")
+    p.add_argument("--model", default="tiny", help="HF folder, alias (tiny, qwen2.5-7b, ...) or hub id")
+    p.add_argument("--adapter", default=None, help="PEFT LoRA folder (adapter_config.json + adapter_model.safetensors)")
+    p.add_argument("--quant", default="nvfp4", choices=["nvfp4", "bf16"],
+                   help="base weights: NVFP4 decoder linears (as QeRL trains on) or unquantized (bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--data", default="arith", help="gsm8k, math500, aime24, amc23, arith, or a .jsonl path")
+    p.add_argument("--split", default="test", help="split of a named dataset")
+    p.add_argument("--data-dir", default=None, help="dataset cache folder (default $QERL_DATA or ~/.cache/qerl/data)")
+    p.add_argument("--limit", type=int, default=None, help="evaluate only the first N problems")
+    p.add_argument("--samples", type=int, default=1, help="K, completions per problem")
+    p.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="completion budget (default: 64 for arith, 512 for gsm8k, 2048 otherwise)")
+    p.add_argument("--batch-size", type=int, default=None, help="completions per generate call (default: 256 CPU, 64 GPU)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
+    p.add_argument("--out", default=None, help="output folder (default runs/eval/<model>-<data>)")
+    return p.parse_args(argv)
+
+
+def _slug(s):
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", os.path.basename(os.path.normpath(str(s))))
+
+
+def load_policy(name, adapter=None, quant="nvfp4", device="cpu"):
+    """(model, tokenizer): the base (NVFP4-quantized as it loads when quant='nvfp4') with the adapter
+    applied when given."""
+    import model as model_lib
+
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    m = model_lib.Transformer.from_pretrained(name, dtype=dtype, device=device, quantize=quant == "nvfp4")
+    if adapter:
+        import lora
+
+        lora.load_adapter(m, adapter)
+        m.to(device)
+    return m.eval(), model_lib.load_tokenizer(name)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    items = tasks.load_dataset(args.data, split=args.split, limit=args.limit, data_dir=args.data_dir)
+    data_name = _slug(args.data).removesuffix(".jsonl")
+    max_new = args.max_new_tokens or DEFAULT_MAX_NEW_TOKENS.get(data_name, 2048)
+    batch = args.batch_size or (256 if args.device == "cpu" else 64)
+    out = args.out or os.path.join("runs", "eval", f"{_slug(args.model)}-{data_name}")
+    model, tokenizer = load_policy(args.model, args.adapter, args.quant, args.device)
+    print(f"eval: {args.model}{' + ' + args.adapter if args.adapter else ''} ({args.quant}) on {args.device}, "
+          f"{args.data}/{args.split}: {len(items)} problems x {args.samples} samples, T={args.temperature} "
+          f"top-p={args.top_p}, max {max_new} new tokens, {batch} completions a batch")
+    res = evaluate(model, tokenizer, items, samples=args.samples, temperature=args.temperature, top_p=args.top_p,
+                   max_new_tokens=max_new, batch_size=batch, seed=args.seed, progress=True)
+    records = res.pop("records")
+    summary = {"model": args.model, "adapter": args.adapter, "quant": args.quant, "data": args.data,
+               "split": args.split, "device": args.device, "seed": args.seed, **res}
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    with open(os.path.join(out, "samples.jsonl"), "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    K = args.samples
+    print(f"avg@{K} (pass@1) = {res['accuracy']:.4f}   " +
+          "   ".join(f"pass@{k} = {v:.4f}" for k, v in res["pass@k"].items() if k > 1) +
+          f"   mean length {res['mean_length']:.1f}, truncated {res['truncated']:.1%}, {res['seconds']:.1f}s")
+    for field in ("by_level", "by_subject"):
+        if res[field]:
+            print(f"{field.removeprefix('by_')}: " +
+                  ", ".join(f"{k} {v['accuracy']:.3f} (n={v['n']})" for k, v in res[field].items()))
+    print(f"wrote {out}/summary.json and samples.jsonl")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""eval.py: the pass@k estimator, the CLI end to end on the tiny policy, and that an adapter is applied."""
+
+import itertools
+import json
+import random
+import sys
+from math import comb
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import eval as ev  # noqa: E402
+import tasks  # noqa: E402
+
+
+def test_pass_at_k_hand_values():
+    assert ev.pass_at_k(5, 2, 1) == pytest.approx(2 / 5)
+    assert ev.pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)  # 1 - C(3,2)/C(5,2)
+    assert ev.pass_at_k(10, 3, 5) == pytest.approx(1 - 21 / 252)  # 1 - C(7,5)/C(10,5)
+    assert ev.pass_at_k(4, 0, 3) == 0.0
+    assert ev.pass_at_k(4, 3, 2) == 1.0  # only one wrong sample: any 2 contain a right one
+    assert ev.pass_at_k(8, 8, 8) == 1.0
+    with pytest.raises(ValueError):
+        ev.pass_at_k(4, 5, 1)
+
+
+def test_pass_at_k_is_the_subset_average():
+    """pass@k = the fraction of k-subsets of the n samples holding a right one, counted by brute force."""
+    rng = random.Random()
+    for _ in range(20):
+        n = rng.randint(1, 9)
+        c, k = rng.randint(0, n), rng.randint(1, n)
+        flags = [1] * c + [0] * (n - c)
+        subsets = list(itertools.combinations(flags, k))
+        brute = sum(any(s) for s in subsets) / len(subsets)
+        assert ev.pass_at_k(n, c, k) == pytest.approx(brute, abs=1e-12)
+        assert len(subsets) == comb(n, k)
+    assert ev.ks_for(8) == [1, 2, 4, 8] and ev.ks_for(6) == [1, 2, 4, 6] and ev.ks_for(1) == [1]
+
+
+def test_cli_on_tiny_writes_summary_and_graded_samples(tmp_path):
+    out = tmp_path / "e"
+    summary = ev.main(["--data", "arith", "--limit", "16", "--samples", "2", "--temperature", "1.0", "--top-p", "1.0",
+                       "--out", str(out), "--seed", str(random.randrange(1000))])
+    on_disk = json.loads((out / "summary.json").read_text())
+    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert on_disk["n"] == 16 and on_disk["samples"] == 2 and len(rows) == 32
+    assert on_disk["accuracy"] == pytest.approx(summary["accuracy"])
+    # Every grade is the task's judge applied to the stored completion, and the summary is their mean.
+    for r in rows:
+        assert r["correct"] == tasks.grade("gsm8k", r["completion"], r["gold"])
+    assert on_disk["accuracy"] == pytest.approx(sum(r["correct"] for r in rows) / 32)
+    per_item = [sum(r["correct"] for r in rows if r["index"] == i) for i in range(16)]
+    assert on_disk["pass@k"]["2"] == pytest.approx(sum(c > 0 for c in per_item) / 16)
+    # The tiny policy does the task (through NVFP4, our model and rollout.generate), but not always.
+    assert 0.05 < on_disk["accuracy"] < 0.95, on_disk["accuracy"]
+    assert all(r["finish"] in ("stop", "length") for r in rows) and on_disk["mean_length"] < 64
+
+
+def test_breakdown_by_level_and_subject(tmp_path):
+    """MATH-style items carry level and subject; the summary groups avg@K by them."""
+    import model
+
+    items = [{"question": f"What is {a} + {b}?", "answer": str(a + b), "kind": "gsm8k", "level": lvl, "subject": subj}
+             for a, b, lvl, subj in [(2, 3, 1, "Algebra"), (4, 4, 2, "Algebra"), (7, 1, 2, "Geometry")]]
+    m = model.Transformer.from_pretrained("tiny", dtype=torch.float32)
+    tok = model.load_tokenizer("tiny")
+    res = ev.evaluate(m, tok, items, samples=3, temperature=1.0, top_p=1.0, max_new_tokens=8, batch_size=4, seed=1)
+    assert {k: v["n"] for k, v in res["by_level"].items()} == {"1": 3, "2": 6}
+    assert {k: v["n"] for k, v in res["by_subject"].items()} == {"Algebra": 6, "Geometry": 3}
+    assert len(res["records"]) == 9 and sorted(res["pass@k"]) == [1, 2, 3]
+    # Prompts split over calls (batch_size 4 // 3 samples = 1 prompt a call) keep their item index.
+    assert [r["index"] for r in res["records"]] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+
+
+def test_adapter_changes_the_result(tmp_path):
+    """The official QeRL eval silently evaluated the base model. Here a LoRA adapter with nonzero B,
+    saved in PEFT format and passed with --adapter, must change the greedy completions, while a B = 0
+    adapter (the identity) must not: the difference comes from the adapter's values, not the path."""
+    lora = pytest.importorskip("lora", reason="lora.py has not landed")
+    import model
+
+    def make_adapter(path, scale):
+        m = model.Transformer.from_pretrained("tiny", dtype=torch.float32)
+        lora.apply_lora(m, rank=4, alpha=8)
+        gen = torch.Generator().manual_seed(random.randrange(1000))
+        for mod in lora.lora_modules(m).values():
+            mod.lora_B.weight.data = torch.randn(mod.lora_B.weight.shape, generator=gen) * scale
+        lora.save_adapter(m, str(path))
+
+    make_adapter(tmp_path / "noisy", 0.5)
+    make_adapter(tmp_path / "zero", 0.0)
+    common = ["--data", "arith", "--limit", "12", "--temperature", "0", "--quant", "bf16"]
+    runs = {}
+    for name, extra in [("base", []), ("noisy", ["--adapter", str(tmp_path / "noisy")]),
+                        ("zero", ["--adapter", str(tmp_path / "zero")])]:
+        ev.main(common + extra + ["--out", str(tmp_path / f"out-{name}")])
+        lines = (tmp_path / f"out-{name}" / "samples.jsonl").read_text().splitlines()
+        runs[name] = [json.loads(line) for line in lines]
+    texts = {k: [r["completion"] for r in v] for k, v in runs.items()}
+    assert texts["zero"] == texts["base"]
+    assert sum(a != b for a, b in zip(texts["noisy"], texts["base"])) >= 6
+    acc = {k: sum(r["correct"] for r in v) for k, v in runs.items()}
+    assert acc["noisy"] < acc["base"], acc
