@@ -48,7 +48,7 @@ import lora
 import rollout
 import tasks
 from eval import evaluate
-from model import Transformer, load_tokenizer
+from model import Transformer, load_tokenizer, resolve_model_dir
 
 
 def parse_args(argv=None):
@@ -66,7 +66,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=None, help="RL steps (tiny: 30; paper recipe: 500)")
     p.add_argument("--prompts", type=int, default=None, help="prompts (groups) per step (tiny: 16; QeRL scripts: 16 with DAPO)")
     p.add_argument("--group-size", type=int, default=8, help="G, completions per prompt (QeRL: 8)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="completion budget (tiny: 48; QeRL GSM8K: 1024... we use 1024)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="completion budget (tiny: 64; GSM8K recipe: 1024)")
     p.add_argument("--temperature", type=float, default=1.0, help="rollout temperature (QeRL: 1.0)")
     p.add_argument("--top-p", type=float, default=1.0, help="rollout nucleus sampling")
     p.add_argument("--update-passes", type=int, default=1, help="passes over each step's batch (1 = on-policy)")
@@ -123,7 +123,7 @@ def recipe(args, tokenizer_vocab=None):
         "data": "arith" if tiny else "gsm8k",
         "steps": 30 if tiny else 500,
         "prompts": 16 if tiny else 16,
-        "max_new_tokens": 48 if tiny else 1024,
+        "max_new_tokens": 64 if tiny else 1024,
         "micro_batch": 128 if tiny else 8,
         # The tiny model learns from scratch-level signal in minutes only with a large LoRA lr;
         # the paper's values are for 7B+ models (QeRL: 1e-5 NVFP4, 5e-6 bf16).
@@ -166,7 +166,7 @@ def check_args(args):
         if name.endswith(".jsonl") and not os.path.exists(name):
             problems.append(f"no data file at {name}")
     if args.resume and not os.path.isdir(os.path.join(args.resume, "checkpoint")):
-        problems.append(f"--resume {args.resume}: no checkpoint/ folder in it")
+        problems.append(f"--resume {args.resume}: no checkpoint/ folder in it (killed before its first checkpoint? start it again without --resume)")
     if problems:
         sys.exit("train.py: " + "\n  ".join(["cannot start:"] + problems))
 
@@ -278,7 +278,7 @@ PLOTS = [("reward", "reward"), ("accuracy", "rollout accuracy"), ("heldout_accur
          ("entropy", "entropy"), ("response_length", "response length"), ("sigma", "AQN sigma")]
 
 
-def plot(rows, path):
+def plot(rows, path, baseline=None):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -287,6 +287,8 @@ def plot(rows, path):
     fig, axes = plt.subplots(2, 3, figsize=(12, 6))
     for ax, (key, title) in zip(axes.flat, PLOTS):
         pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+        if key == "heldout_accuracy":  # measured after the step: plot it at step + 1, from the baseline at 0
+            pts = [(0, baseline)] * (baseline is not None) + [(s + 1, v) for s, v in pts]
         if pts:
             ax.plot(*zip(*pts), marker="o" if key == "heldout_accuracy" else None, markersize=3)
         ax.set_title(title)
@@ -386,7 +388,14 @@ def lr_lambda(args):
 
 
 def main(argv=None):
-    args = recipe(parse_args(argv))
+    args = parse_args(argv)
+    if args.resume:  # a resumed run is the same run: every setting comes from its args.json
+        saved = os.path.join(args.resume, "args.json")
+        if not os.path.exists(saved):
+            sys.exit(f"train.py: cannot resume {args.resume}: no args.json in it")
+        with open(saved) as f:
+            args = argparse.Namespace(**{**json.load(f), "resume": args.resume})
+    args = recipe(args)
     check_args(args)
     t_start = time.time()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -395,13 +404,14 @@ def main(argv=None):
     out = args.resume or args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     os.makedirs(out, exist_ok=True)
 
-    # Data first: a missing dataset fails before minutes of model loading.
+    # The model's folder and the data first: either missing fails before minutes of loading.
+    model_dir = resolve_model_dir(args.model)
     train_items = tasks.load_dataset(args.data, split="train" if not args.data.endswith(".jsonl") else "test")
     eval_items = tasks.load_dataset(args.eval_data, split="test", limit=args.eval_limit)
     kind = train_items[0]["kind"]
 
-    tokenizer = load_tokenizer(args.model)
-    model = Transformer.from_pretrained(args.model, dtype=dtype, device=device, quantize=args.quant == "nvfp4")
+    tokenizer = load_tokenizer(model_dir)
+    model = Transformer.from_pretrained(model_dir, dtype=dtype, device=device, quantize=args.quant == "nvfp4")
     params = lora.apply_lora(model, rank=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout,
                              targets=tuple(args.lora_targets.split(",")))
     model.gradient_checkpointing = not args.no_checkpointing
@@ -530,7 +540,7 @@ def main(argv=None):
         tqdm.write(format_line(m))
         bar.update(1)
         if step % args.plot_every == 0:
-            plot(rows, os.path.join(out, "curves.png"))
+            plot(rows, os.path.join(out, "curves.png"), baseline)
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             with open(samples_path) as f:
                 samples_lines = sum(1 for _ in f)
@@ -541,7 +551,7 @@ def main(argv=None):
 
     final = heldout(args.steps)
     rows[-1]["heldout_accuracy"] = final
-    plot(rows, os.path.join(out, "curves.png"))
+    plot(rows, os.path.join(out, "curves.png"), baseline)
     lora.save_adapter(model, os.path.join(out, "adapter"), base_model_name_or_path=args.model)
     summary = {"baseline_accuracy": baseline, "final_accuracy": final, "improvement": final - baseline,
                "steps": args.steps, "wall_time_s": time.time() - t_start, "model": args.model, "quant": args.quant,
