@@ -392,6 +392,15 @@ if HAS_TRITON:
                 SPLIT_K, GS_PER_ROW, HAS_BIAS)
 
     @triton.jit
+    def _grouped(pid, num_m, num_n, GROUP_M: tl.constexpr):
+        """Program id → (m tile, n tile) in grouped order: GROUP_M consecutive programs share one
+        weight tile, so it is read from HBM once and from L2 after."""
+        width = GROUP_M * num_n
+        first_m = (pid // width) * GROUP_M
+        group_size = min(num_m - first_m, GROUP_M)
+        return first_m + (pid % width) % group_size, (pid % width) // group_size
+
+    @triton.jit
     def _tiled_kernel(x_ptr, wp_ptr, ws_ptr, gs_ptr, bias_ptr, y_ptr, part_ptr, M, N, K, stride_xm, stride_ym,
                       stride_wn, stride_sn, k_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, GS_PER_ROW: tl.constexpr,
@@ -402,14 +411,7 @@ if HAS_TRITON:
         operand, and two dots over the even and odd k instead of interleaving the decoded halves.)"""
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
-        num_m = tl.cdiv(M, BLOCK_M)
-        num_n = tl.cdiv(N, BLOCK_N)
-        # Grouped order: GROUP_M consecutive programs share one weight tile (read from HBM once).
-        width = GROUP_M * num_n
-        first_m = (pid // width) * GROUP_M
-        group_size = min(num_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % width) % group_size
-        pid_n = (pid % width) // group_size
+        pid_m, pid_n = _grouped(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = offs_n % N
@@ -455,13 +457,7 @@ if HAS_TRITON:
         """dX (BM, BK) tiles = dY (M, N) @ W (N, K): the reduction runs over W's rows, 16 columns of a
         row share a scale exactly as in the forward, so the same tile decoder serves."""
         pid = tl.program_id(0)
-        num_m = tl.cdiv(M, BLOCK_M)
-        num_k = tl.cdiv(K, BLOCK_K)
-        width = GROUP_M * num_k
-        first_m = (pid // width) * GROUP_M
-        group_size = min(num_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % width) % group_size
-        pid_k = (pid % width) // group_size
+        pid_m, pid_k = _grouped(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(K, BLOCK_K), GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         g_rows = g_ptr + (offs_m % M).to(tl.int64)[:, None] * stride_gm  # (BM, 1)
         acc = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)

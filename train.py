@@ -107,6 +107,7 @@ def parse_args(argv=None):
     p.add_argument("--eval-limit", type=int, default=None, help="held-out items (tiny: 256; default 500)")
     p.add_argument("--eval-samples", type=int, default=1, help="samples per held-out item (accuracy = mean over them)")
     p.add_argument("--eval-temperature", type=float, default=None, help="held-out sampling temperature (tiny: 1.0; paper: 0.6)")
+    p.add_argument("--eval-top-p", type=float, default=None, help="held-out nucleus sampling (tiny: 1.0; paper: 0.95)")
     p.add_argument("--eval-max-new-tokens", type=int, default=None, help="held-out completion budget (default --max-new-tokens)")
     p.add_argument("--log-samples", type=int, default=2, help="completions per step written to samples.jsonl")
     p.add_argument("--plot-every", type=int, default=5, help="refresh curves.png every N steps")
@@ -130,6 +131,7 @@ def recipe(args, tokenizer_vocab=None):
         "lr": 2e-3 if tiny else (1e-5 if args.quant == "nvfp4" else 5e-6),
         "eval_limit": 256 if tiny else 500,
         "eval_temperature": 1.0 if tiny else 0.6,
+        "eval_top_p": 1.0 if tiny else 0.95,
         "eval_every": 10 if tiny else 50,
         "eps_high": 0.28 if args.algo == "dapo" else 0.2,
         "beta": 0.0 if args.algo == "dapo" else 0.04,
@@ -432,7 +434,7 @@ def main(argv=None):
     def heldout(step):
         model.eval()
         res = evaluate(model, tokenizer, eval_items, kind, samples=args.eval_samples, temperature=args.eval_temperature,
-                       top_p=1.0 if args.model == "tiny" else 0.95, max_new_tokens=args.eval_max_new_tokens,
+                       top_p=args.eval_top_p, max_new_tokens=args.eval_max_new_tokens,
                        batch_size=256 if device.type == "cpu" else 64, seed=args.seed + 1_000_003)
         return res["accuracy"]
 
@@ -457,8 +459,10 @@ def main(argv=None):
         json.dump(vars(args), f, indent=2)
 
     n_train = sum(p.numel() for p in params)
-    print(f"model {args.model} ({model.config}) base={args.quant} on {device}, LoRA r={args.lora_rank}: "
-          f"{n_train / 1e6:.2f}M trainable parameters")
+    weight_gb = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())) / 1e9
+    print(f"model {args.model} ({model.config}) base={args.quant} on {device} ({weight_gb:.3f} GB of weights; "
+          f"fp4 matmuls: {'Triton kernels' if device.type == 'cuda' else 'torch dequantize + matmul'}), "
+          f"LoRA r={args.lora_rank}: {n_train / 1e6:.2f}M trainable parameters")
     print(f"{args.algo}: {args.steps} steps x {args.prompts} prompts x G={args.group_size} = "
           f"{args.prompts * args.group_size} completions/step, <= {args.max_new_tokens} new tokens each; "
           f"lr {args.lr:g}, eps {args.eps_low}/{args.eps_high}, beta {args.beta}, AQN "
