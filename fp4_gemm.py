@@ -766,15 +766,19 @@ class QuantLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear, name="weight"):
-        q = nvfp4.quantize(linear.weight.data, name=name)
         m = cls(linear.in_features, linear.out_features, linear.bias is not None,
                 device=linear.weight.device, dtype=linear.weight.dtype)
-        m.weight_packed.copy_(q.packed)
-        m.weight_scale.copy_(q.scale)
-        m.weight_global_scale.copy_(q.global_scale)
+        m.set_weight(linear.weight.data, name)
         if linear.bias is not None:
             m.bias.data.copy_(linear.bias.data)
         return m
+
+    def set_weight(self, w, name="weight"):
+        """Quantize the (N, K) float weight w into this layer's buffers, in place."""
+        q = nvfp4.quantize(w, name=name)
+        self.weight_packed.copy_(q.packed)
+        self.weight_scale.copy_(q.scale)
+        self.weight_global_scale.copy_(q.global_scale)  # broadcasts into a per-row (N,) buffer too
 
     @classmethod
     def concat(cls, layers):

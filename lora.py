@@ -312,18 +312,6 @@ def load_adapter(model, dir, dtype=torch.float32):
 # Export: merge an adapter into a plain HF checkpoint
 # ---------------------------------------------------------------------------------------------
 
-def _weight_map(folder):
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            return json.load(f)["weight_map"]
-    path = os.path.join(folder, "model.safetensors")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json")
-    with safe_open(path, "pt") as f:
-        return {k: "model.safetensors" for k in f.keys()}
-
-
 def merge(model_path, adapter_dir, out, dtype=torch.bfloat16):
     """Write `out`: the checkpoint at `model_path` with W + scaling * B @ A on every adapted linear,
     every floating tensor in `dtype`, NVFP4 weights dequantized (and the quantization_config
@@ -335,7 +323,7 @@ def merge(model_path, adapter_dir, out, dtype=torch.bfloat16):
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
     quantized = nvfp4.is_nvfp4_config(config)
-    weight_map = _weight_map(src)
+    weight_map = nvfp4.weight_map(src)
     handles = {}
 
     def get(key):

@@ -299,7 +299,7 @@ class Transformer(nn.Module):
         for name, m in model.named_modules():
             if isinstance(m, fp4_gemm.QuantLinear):
                 w = torch.randn(m.out_features, m.in_features, generator=gen, device=device, dtype=dtype) * std
-                _fill_quant(m, w, name)
+                m.set_weight(w, name)
             elif isinstance(m, (nn.Linear, nn.Embedding)):
                 m.weight.data.normal_(0, std, generator=gen)
             elif isinstance(m, RMSNorm):
@@ -309,13 +309,6 @@ class Transformer(nn.Module):
         return model.eval()
 
 
-def _fill_quant(m, w, name):
-    q = nvfp4.quantize(w, name=name)
-    m.weight_packed.copy_(q.packed)
-    m.weight_scale.copy_(q.scale)
-    m.weight_global_scale.copy_(q.global_scale)
-
-
 def hf_key(name):
     """Our parameter name → the HF checkpoint's key (ours are HF's without the 'model.' prefix)."""
     return name if name.startswith("lm_head.") else "model." + name
@@ -323,15 +316,7 @@ def hf_key(name):
 
 def load_weights(model, folder, quantize_on_load=False):
     """Fill `model` (already materialized, possibly with QuantLinears) from the folder's safetensors."""
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-    elif os.path.exists(os.path.join(folder, "model.safetensors")):
-        with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
-            weight_map = {k: "model.safetensors" for k in f.keys()}
-    else:
-        raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+    weight_map = nvfp4.weight_map(folder)
     tied = model.config.tie_word_embeddings
     # The explicit map: every tensor the model holds, by its checkpoint key.
     wanted = {hf_key(n): t for n, t in model.state_dict().items() if not (tied and n == "lm_head.weight")}
@@ -360,7 +345,7 @@ def load_weights(model, folder, quantize_on_load=False):
                     expected = (m.out_features, m.in_features)
                     if tuple(src.shape) != expected:
                         raise ValueError(f"{key}: checkpoint shape {tuple(src.shape)} != model shape {expected}")
-                    _fill_quant(m, src.to(model.device), key)
+                    m.set_weight(src.to(model.device), key)
                     continue
                 dst = wanted[key]
                 if src.shape != dst.shape:

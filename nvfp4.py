@@ -183,14 +183,18 @@ def is_quantized_key(key):
     return key.endswith(".weight") and len(parts) >= 3 and parts[-2] in LINEAR_NAMES and ".layers." in key
 
 
-def _shards(src):
-    index = os.path.join(src, "model.safetensors.index.json")
+def weight_map(folder):
+    """{tensor key: shard file name} of an HF checkpoint folder (sharded with
+    model.safetensors.index.json, or one model.safetensors)."""
+    index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
-            return sorted(set(json.load(f)["weight_map"].values()))
-    if os.path.exists(os.path.join(src, "model.safetensors")):
-        return ["model.safetensors"]
-    raise FileNotFoundError(f"{src}: no model.safetensors or model.safetensors.index.json found")
+            return json.load(f)["weight_map"]
+    path = os.path.join(folder, "model.safetensors")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+    with safe_open(path, "pt") as f:
+        return {k: "model.safetensors" for k in f.keys()}
 
 
 def save_quantized(src, dst, progress=True):
@@ -204,11 +208,11 @@ def save_quantized(src, dst, progress=True):
         config = json.load(f)
     if config.get("quantization_config"):
         raise ValueError(f"{src} is already quantized ({config['quantization_config'].get('quant_method')})")
-    shards = _shards(src)
+    shards = sorted(set(weight_map(src).values()))
     parent = os.path.dirname(os.path.abspath(dst))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".nvfp4-", dir=parent)
-    weight_map = {}
+    written = {}
     total = 0
     for shard in shards:
         with safe_open(os.path.join(src, shard), "pt") as f:
@@ -230,11 +234,11 @@ def save_quantized(src, dst, progress=True):
                 bar.update(1)
         name = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file({k: v.contiguous() for k, v in out.items()}, os.path.join(tmp, name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in out})
+        written.update({k: name for k in out})
     bar.close()
     if len(shards) > 1:
         with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
+            json.dump({"metadata": {}, "weight_map": written}, f, indent=2)
     config["quantization_config"] = quantization_config()
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(config, f, indent=2)

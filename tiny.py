@@ -48,7 +48,6 @@ import json
 import math
 import os
 import random
-import re
 import time
 from pathlib import Path
 

@@ -47,7 +47,7 @@ import grpo
 import lora
 import rollout
 import tasks
-from eval import evaluate
+from eval import evaluate, stop_token_ids
 from model import Transformer, load_tokenizer, resolve_model_dir
 
 
@@ -420,8 +420,7 @@ def main(argv=None):
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.999))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args))
     schedule = aqn.AQNSchedule(args.steps, args.aqn_stages, args.sigma_start, args.sigma_end)
-    stop_ids = sorted({t for t in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"),
-                                   tokenizer.convert_tokens_to_ids("<|endoftext|>")) if isinstance(t, int) and t >= 0})
+    stop_ids = stop_token_ids(tokenizer)
     prompt_ids = {}
 
     def encode(item):

@@ -16,7 +16,6 @@ What is asserted and why:
   test), so an element a kernel forgot to write fails the comparison.
 - Fresh random inputs per case (seeded by the case, so a failure reproduces).
 """
-import math
 import os
 import sys
 from pathlib import Path
