@@ -32,14 +32,27 @@ Under the Triton interpreter (CPU) the same numbers come from plain Triton integ
 checks that both decodes give bit-identical tiles.
 
 Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
-`python fp4_gemm.py --tune` on an H200 (results/fp4_gemm_h200.md has the measured table):
-- gemv (M = 1, decode): a program owns 8 weight rows and walks K in steps of 512 with 16-byte loads
-  of packed codes, multiply-adding in fp32; ~4700 programs for gate/up keep loads in flight.
-  Optional split-K writes fp32 partials that a second small kernel reduces. 1.2-1.8x cuBLAS bf16.
-- tiled (2 <= M <= 128): fused dequantize + tl.dot tiles (BM = 16 or 64), grouped tile order so a
-  weight tile is read from HBM once, split-K where the tiles are few. 0.9-1.5x cuBLAS at M <= 16,
-  0.5-0.75x at M = 64: the decode and the layout shuffle Triton adds before the MMA cost more issue
-  slots than the bytes saved.
+`python fp4_gemm.py --bench/--tune` on an H200 (results/fp4_gemm_h200.md has the measured table):
+- mma (M <= 8, decode; 16-bit x, K a multiple of 64): tensor cores for a GEMV, as Marlin does. The
+  weight is the MMA's left operand (16 rows x 16 k), x the right one (k x 8 tokens, zeros beyond M).
+  mma.sync keeps its operands in registers spread over a warp in a fixed pattern, and which physical
+  k a column stands for is free as long as both operands agree: so each lane loads 16-byte pieces of
+  its own two weight rows, decodes them in one PTX block (bit moves + one bf16x2/f16x2 multiply by
+  the block scale: exact e2m1 * s * 2^-8) and feeds them to mma.sync together with x loaded at the
+  same k, with no data crossing lanes and fp32 accumulation. Triton lays a (tile, lane, 4 words)
+  load out one lane per index, which is what makes this expressible; the interpreter runs a
+  plain-Triton model of the PTX block (the exchange between lanes written as reshapes), and a GPU
+  test checks the two agree. Split-K programs leave fp32 partials and the last one to finish a
+  tile (an atomic ticket) sums them in order: deterministic, and no second launch. 1.6-2.4x cuBLAS
+  bf16 at M = 1 (gate/up 2.25 TB/s), 1.2-1.5x at M = 8. What bounds it: the integer decode (~3 ALU
+  instructions per 2 weights) at M = 1, and at M = 8 the L1 traffic of x (each lane reads 16-byte
+  pieces of x 128 bytes apart); a Marlin-style repacking of the stored codes would cut both.
+- gemv (M = 1 with fp32 x): a program owns 8 weight rows and walks K in steps of 512 with 16-byte
+  loads of packed codes, multiply-adding in fp32; optional split-K with a reduce kernel.
+- tiled (2 <= M <= 128 where mma does not serve): fused dequantize + tl.dot tiles (BM = 16 or 64),
+  grouped tile order so a weight tile is read from HBM once, split-K where the tiles are few. 0.9-1.5x
+  cuBLAS at M = 16, 0.5-0.75x at M = 64: the decode and the layout shuffle Triton adds before the
+  MMA cost more issue slots than the bytes saved.
 - dequant + cuBLAS (M > 128, fp32 inputs): a Triton kernel writes this one layer's weight in x's
   dtype, bit-identical to nvfp4.dequantize (same float32 arithmetic), and cuBLAS multiplies; the copy
   dies right after. 0.73-0.81x cuBLAS at M = 1024, 0.84-0.90x at M = 4096: the cost is writing and
@@ -95,7 +108,7 @@ except ImportError:  # the torch path still works
 # ---------------------------------------------------------------------------------------------
 
 BACKENDS = ("auto", "torch", "triton")
-KERNELS = (None, "gemv", "tiled", "dequant")
+KERNELS = (None, "mma", "gemv", "tiled", "dequant")
 _choice = {"backend": os.environ.get("QERL_FP4_BACKEND", "auto"), "kernel": None}
 
 
@@ -505,6 +518,233 @@ if HAS_TRITON:
                  mask=mask)
 
 
+    # ---- the tensor-core GEMV (up to 8 rows of x a program): Marlin's idea as one PTX block ----
+    #
+    # mma.sync m16n8k16 multiplies a 16 x 16 tile A (weight rows x k) by a 16 x 8 tile B (k x tokens) with
+    # fp32 accumulation. Its operands live in registers spread over the warp: lane = 4 g + t holds, of A,
+    # rows g and g + 8 at columns (2t, 2t+1) and (2t+8, 2t+9); of B, token g at rows (2t, 2t+1) and
+    # (2t+8, 2t+9); of the result, rows g and g + 8 at tokens 2t and 2t + 1. Which physical k a column
+    # stands for is ours to choose, as long as A and B agree. So each lane decodes contiguous pieces of
+    # the rows it loads (row g and row g + 8, 64 codes each per k-step of 256) and loads x at the same
+    # k: its decoded pairs go straight into the MMA, nothing moves between lanes. Rows of x beyond M
+    # (all but one at decode) are zeros: the MMA is 8x wider than needed, but tensor-core time is not
+    # what bounds this kernel; decoding is.
+    #
+    # One PTX block per half k-step (4 words of each of the two rows):
+    #   scales: two E4M3 bytes per row (the blocks of words 0-1 and 2-3) → a pair each, times a power
+    #           of two by bit moves and a mul (value * 2^118 in bf16, * 2^6 in f16);
+    #   codes:  word q (8 codes, k = 8w + 0..7) → 4 registers of 2 values, (k3, k7), (k2, k6), (k1, k5),
+    #           (k0, k4): shift the pair's nibbles up to bits 15..12 and 31..28, keep each sign and put
+    #           e e m under the exponent (as _e2m1_asm), multiply by the scale pair: exact e2m1 * s * 2^-8;
+    #   x:      the lane's 8 x values of the word paired the same way (prmt);
+    #   MMA:    two per word, (k3,k7 | k2,k6) and (k1,k5 | k0,k4), chained into one fp32 accumulator.
+    # Operands: $0-$3 accumulator out; $4-$7 the 4 words of row g, $8-$11 of row g + 8; $12 / $13 the
+    # rows' 4 scale bytes (this half uses bytes 0, 1 or 2, 3); $14-$29 x pairs (x0,x1), (x2,x3), (x4,x5),
+    # (x6,x7) of the 4 words; $30-$33 accumulator in.
+    def _mma_asm(f16, half):
+        if f16:  # e2m1 * 2^-14 from bits 11..9; scale: s * 2^-8 as f16 bits, times 2^14
+            ty, mag, shift, sshift, smask, mul, cst = "f16", "0x8E008E00", 3, 7, "0x3F803F80", "mul.rn.f16x2", "0x74007400"
+        else:  # e2m1 * 2^-126 from bits 8..6; scale: s * 2^-120 as bf16 bits, times 2^119 twice
+            ty, mag, shift, sshift, smask, mul, cst = "bf16", "0x81C081C0", 6, 4, "0x07F007F0", "mul.rn.bf16x2", "0x7B007B00"
+        regs = [f"s{r}{b}" for r in "tb" for b in "01"] + [f"w{r}{w}{p}" for r in "tb" for w in range(4) for p in range(4)]
+        regs += [f"x{w}{p}" for w in range(4) for p in range(4)] + ["c", "u", "v", "h"]
+        lines = [".reg .b32 " + ", ".join(regs) + ";", f"mov.b32 c, {cst};"]
+        for r, src in (("t", "$12"), ("b", "$13")):  # bytes (2 half, 2 half + 1) → u = b_lo | b_hi << 16
+            lines += [f"prmt.b32 u, {src}, 0, {'0x4342' if half else '0x4140'};", f"shl.b32 v, u, {sshift};",
+                      f"and.b32 v, v, {smask};", "shl.b32 u, u, 8;", "and.b32 u, u, 0x80008000;", "or.b32 u, u, v;",
+                      f"{mul} u, u, c;"] + ([] if f16 else [f"{mul} u, u, c;"])
+            lines += [f"prmt.b32 s{r}0, u, 0, 0x1010;", f"prmt.b32 s{r}1, u, 0, 0x3232;"]
+        for r, base in (("t", 4), ("b", 8)):
+            for w in range(4):
+                for p, sl in enumerate((0, 4, 8, 12)):  # p: (k3,k7), (k2,k6), (k1,k5), (k0,k4)
+                    src = f"${base + w}"
+                    if sl:
+                        lines.append(f"shl.b32 u, {src}, {sl};")
+                        src = "u"
+                    lines += [f"and.b32 h, {src}, 0xF000F000;", f"shr.b32 v, h, {shift};", "or.b32 v, v, h;",
+                              f"and.b32 v, v, {mag};", f"{mul} w{r}{w}{p}, v, s{r}{w // 2};"]
+        for w in range(4):
+            x01, x23, x45, x67 = (f"${14 + 4 * w + j}" for j in range(4))
+            lines += [f"prmt.b32 x{w}0, {x23}, {x67}, 0x7632;", f"prmt.b32 x{w}1, {x23}, {x67}, 0x5410;",
+                      f"prmt.b32 x{w}2, {x01}, {x45}, 0x7632;", f"prmt.b32 x{w}3, {x01}, {x45}, 0x5410;"]
+        acc_in = "{$30, $31, $32, $33}"
+        for w in range(4):
+            for p0 in (0, 2):
+                a = f"{{wt{w}{p0}, wb{w}{p0}, wt{w}{p0 + 1}, wb{w}{p0 + 1}}}"
+                lines.append(f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 {{$0, $1, $2, $3}}, {a}, "
+                             f"{{x{w}{p0}, x{w}{p0 + 1}}}, {acc_in};")
+                acc_in = "{$0, $1, $2, $3}"
+        return "{ " + " ".join(lines) + " }"
+
+    _ASM_MMA_BF16_0: tl.constexpr = tl.constexpr(_mma_asm(False, 0))
+    _ASM_MMA_BF16_1: tl.constexpr = tl.constexpr(_mma_asm(False, 1))
+    _ASM_MMA_F16_0: tl.constexpr = tl.constexpr(_mma_asm(True, 0))
+    _ASM_MMA_F16_1: tl.constexpr = tl.constexpr(_mma_asm(True, 1))
+    _MMA_CONSTRAINTS: tl.constexpr = tl.constexpr("=f,=f,=f,=f," + ",".join(["r"] * 26) + ",f,f,f,f")
+
+    @triton.jit
+    def _mma_rows_reference(q, s, xv, HALF: tl.constexpr, NUM_WARPS: tl.constexpr, ROW_TILES: tl.constexpr):
+        """One row of each lane's pair (g or g + 8): (R, L) sums at tokens 2t and 2t + 1."""
+        s16 = tl.reshape(s.to(tl.uint16), (ROW_TILES, 32 * NUM_WARPS, 2, 2))  # (R, L, half, block)
+        s_lo, s_hi = tl.split(s16)  # (R, L, 2) each: byte 2 * half + 0 / + 1
+        lo_h0, lo_h1 = tl.split(s_lo)
+        hi_h0, hi_h1 = tl.split(s_hi)
+        if HALF:
+            sc = tl.join(_e4m3_to_f32(lo_h1, 16384.0), _e4m3_to_f32(hi_h1, 16384.0))  # (R, L, 2): * 2^6
+        else:
+            sc = tl.join(_e4m3_to_f32(lo_h0, 16384.0), _e4m3_to_f32(hi_h0, 16384.0))
+        sc = tl.reshape(tl.broadcast_to(tl.reshape(sc, (ROW_TILES, 32 * NUM_WARPS, 2, 1)),
+                                        (ROW_TILES, 32 * NUM_WARPS, 2, 2)), (ROW_TILES, 32 * NUM_WARPS, 4, 1))
+        i = tl.arange(0, 8)[None, None, None, :]
+        wv = _e2m1_to_f32(((q[:, :, :, None] >> (4 * i)) & 0xF).to(tl.uint16)) * sc  # (R, L, 4, 8): k = 8 w + i
+        wv = tl.reshape(wv, (ROW_TILES * NUM_WARPS, 8, 128))  # (tile, row g, k = 32 t + 8 w + i)
+        xb = tl.reshape(tl.broadcast_to(xv[None, :, :, :], (ROW_TILES, NUM_WARPS, 8, 128)), (ROW_TILES * NUM_WARPS, 8, 128))
+        p = tl.sum(wv[:, :, None, :] * xb[:, None, :, :], axis=3)  # (tile, row g, token)
+        even, odd = tl.split(tl.reshape(p, (ROW_TILES, 8 * NUM_WARPS, 4, 2)))  # tokens 2t, 2t + 1
+        return tl.reshape(even, (ROW_TILES, 32 * NUM_WARPS)), tl.reshape(odd, (ROW_TILES, 32 * NUM_WARPS))
+
+    @triton.jit
+    def _mma_half_reference(qt, qb, st, sb, xw0, xw1, xw2, xw3, HALF: tl.constexpr, NUM_WARPS: tl.constexpr,
+                            ROW_TILES: tl.constexpr, F16: tl.constexpr):
+        """What one PTX block adds to the accumulator, in plain Triton (for the interpreter): the same
+        lane layout, the exchange between lanes done by reshapes. qt, qb (R, L, 4) words; st, sb (R, L, 4)
+        scale bytes; xw.. (1, L, 4) x pairs of each word. Returns (R, L, 4): rows g / g+8 at tokens 2t / 2t+1."""
+        x = tl.join(tl.join(xw0, xw2), tl.join(xw1, xw3))  # (1, L, pair, 2, 2): word w at flat index w
+        x = tl.permute(tl.reshape(x, (1, 32 * NUM_WARPS, 4, 4)), (0, 1, 3, 2))  # (1, L, word, pair)
+        if F16:
+            xv = tl.join(_f16lo(x), _f16hi(x))
+        else:
+            xv = tl.join(_lo_f32(x), _hi_f32(x))  # (1, L, 4, 4, 2): x[8 w + 2 j + h] in fp32
+        xv = tl.reshape(xv, (NUM_WARPS, 8, 128))  # (warp, token g, k of the lane's quad: 32 t + 8 w + i)
+        top_even, top_odd = _mma_rows_reference(qt, st, xv, HALF, NUM_WARPS, ROW_TILES)
+        bot_even, bot_odd = _mma_rows_reference(qb, sb, xv, HALF, NUM_WARPS, ROW_TILES)
+        # [.., j] = (row g, token 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1): join puts its pair on a new last axis
+        return tl.reshape(tl.join(tl.join(top_even, bot_even), tl.join(top_odd, bot_odd)),
+                          (ROW_TILES, 32 * NUM_WARPS, 4))
+
+    @triton.jit
+    def _mma_half(acc, qt, qb, st, sb, xp, ok, ROW_TILES: tl.constexpr, NUM_WARPS: tl.constexpr,
+                  HALF: tl.constexpr, USE_ASM: tl.constexpr, F16: tl.constexpr):
+        """Half a k-step: x for the lane's 4 words (ok: the lane's token exists and its k are before K),
+        then the PTX block (or its plain-Triton model)."""
+        L: tl.constexpr = 32 * NUM_WARPS
+        j = tl.arange(0, 4)[None, None, :]
+        xw0 = tl.load(xp + j, mask=ok, other=0)  # (1, L, 4): the pairs (x0,x1) .. (x6,x7) of word 0
+        xw1 = tl.load(xp + 4 + j, mask=ok, other=0)
+        xw2 = tl.load(xp + 8 + j, mask=ok, other=0)
+        xw3 = tl.load(xp + 12 + j, mask=ok, other=0)
+        if USE_ASM:
+            shape: tl.constexpr = (ROW_TILES, L, 4)
+            args = [qt, qb, st, sb, tl.broadcast_to(xw0, shape), tl.broadcast_to(xw1, shape),
+                    tl.broadcast_to(xw2, shape), tl.broadcast_to(xw3, shape), acc]
+            if F16:
+                if HALF:
+                    acc = tl.inline_asm_elementwise(_ASM_MMA_F16_1, _MMA_CONSTRAINTS, args, dtype=tl.float32,
+                                                    is_pure=True, pack=4)
+                else:
+                    acc = tl.inline_asm_elementwise(_ASM_MMA_F16_0, _MMA_CONSTRAINTS, args, dtype=tl.float32,
+                                                    is_pure=True, pack=4)
+            else:
+                if HALF:
+                    acc = tl.inline_asm_elementwise(_ASM_MMA_BF16_1, _MMA_CONSTRAINTS, args, dtype=tl.float32,
+                                                    is_pure=True, pack=4)
+                else:
+                    acc = tl.inline_asm_elementwise(_ASM_MMA_BF16_0, _MMA_CONSTRAINTS, args, dtype=tl.float32,
+                                                    is_pure=True, pack=4)
+            return acc
+        return acc + _mma_half_reference(qt, qb, st, sb, xw0, xw1, xw2, xw3, HALF, NUM_WARPS, ROW_TILES, F16)
+
+    @triton.jit
+    def _mma_step(acc, qt_ptrs, qb_ptrs, st_ptrs, sb_ptrs, x_ptrs, x_ok, k0, K, t, ROW_TILES: tl.constexpr,
+                  NUM_WARPS: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, F16: tl.constexpr):
+        """One k-step of 256: the lane's words 0-3 and 4-7 of rows g and g + 8 (k = k0 + 64 t + 8 w + i),
+        their 4 scale bytes and x. K is a multiple of 64, so a lane's 64 k are all before K or all past
+        it (then codes, scales and x load as zeros); the masks are per lane, which keeps the loads 16-byte
+        vectors in the lane layout."""
+        kw = tl.multiple_of(k0 // 8, 32)  # (k0 is a multiple of 256): aligned vector loads
+        ks = tl.multiple_of(k0 // 16, 16)
+        xp = x_ptrs + tl.multiple_of(k0 // 2, 128)
+        if EVEN_K:
+            ok = x_ok
+            qt0 = tl.load(qt_ptrs + kw)
+            qt1 = tl.load(qt_ptrs + kw + 4)
+            qb0 = tl.load(qb_ptrs + kw)
+            qb1 = tl.load(qb_ptrs + kw + 4)
+            st = tl.load(st_ptrs + ks)
+            sb = tl.load(sb_ptrs + ks)
+        else:
+            k_in = k0 + 64 * t[None, :, None] < K  # (1, L, 1)
+            ok = x_ok & k_in
+            qt0 = tl.load(qt_ptrs + kw, mask=k_in, other=0)
+            qt1 = tl.load(qt_ptrs + kw + 4, mask=k_in, other=0)
+            qb0 = tl.load(qb_ptrs + kw, mask=k_in, other=0)
+            qb1 = tl.load(qb_ptrs + kw + 4, mask=k_in, other=0)
+            st = tl.load(st_ptrs + ks, mask=k_in, other=0)
+            sb = tl.load(sb_ptrs + ks, mask=k_in, other=0)
+        acc = _mma_half(acc, qt0, qb0, st, sb, xp, ok, ROW_TILES, NUM_WARPS, 0, USE_ASM, F16)
+        return _mma_half(acc, qt1, qb1, st, sb, xp + 16, ok, ROW_TILES, NUM_WARPS, 1, USE_ASM, F16)
+
+    @triton.jit
+    def _mma_kernel(x_ptr, wp_ptr, ws_ptr, gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, stride_xm, stride_ym,
+                    stride_wn, stride_sn, k_split, ROW_TILES: tl.constexpr, NUM_WARPS: tl.constexpr,
+                    SPLIT_K: tl.constexpr, GS_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                    USE_ASM: tl.constexpr, F16: tl.constexpr):
+        """Program (n, m, s): 16 * NUM_WARPS * ROW_TILES weight rows, x rows 8m..8m+7, K split s, k-steps
+        of 256. Tensors are (row tile, lane, 4) with the 4 contiguous on the last axis: Triton lays such
+        a load out one lane per axis-1 index (16 bytes each), which is the MMA's lane numbering.
+        stride_wn is in 32-bit words, stride_xm in pairs of x, stride_sn in bytes."""
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        L: tl.constexpr = 32 * NUM_WARPS
+        lane = tl.arange(0, L)
+        g = (lane % 32) // 4
+        t = lane % 4
+        tile = tl.arange(0, ROW_TILES)[:, None] * NUM_WARPS + (lane // 32)[None, :]  # (R, L)
+        row = pid_n * (16 * NUM_WARPS * ROW_TILES) + tile * 16 + g[None, :]  # (R, L): row g of the lane's tile
+        j = tl.arange(0, 4)[None, None, :]
+        wq = wp_ptr.to(tl.pointer_type(tl.uint32))
+        qt_ptrs = wq + ((row % N) * stride_wn + 8 * t[None, :])[:, :, None] + j  # (R, L, 4): words 0-3 of the lane
+        qb_ptrs = wq + (((row + 8) % N) * stride_wn + 8 * t[None, :])[:, :, None] + j
+        st_ptrs = ws_ptr + ((row % N) * stride_sn + 4 * t[None, :])[:, :, None] + j  # (R, L, 4) scale bytes
+        sb_ptrs = ws_ptr + (((row + 8) % N) * stride_sn + 4 * t[None, :])[:, :, None] + j
+        token = pid_m * 8 + g  # (L,) the lane's row of x (B's column)
+        xq = x_ptr.to(tl.pointer_type(tl.uint32))
+        x_ptrs = xq + (token.to(tl.int64) * stride_xm + 32 * t)[None, :, None]  # (1, L, 1): the lane's first pair
+        x_ok = (token < M)[None, :, None]
+        acc = tl.zeros((ROW_TILES, L, 4), tl.float32)
+        k_lo = pid_k * k_split
+        for k0 in range(k_lo, tl.minimum(k_lo + k_split, K), 256):
+            acc = _mma_step(acc, qt_ptrs, qb_ptrs, st_ptrs, sb_ptrs, x_ptrs, x_ok, k0, K, t, ROW_TILES, NUM_WARPS,
+                            EVEN_K, USE_ASM, F16)
+        # acc[.., j]: row g + 8 (j // 2), token 2t + j % 2
+        rows = row[:, :, None] + 8 * (j // 2)  # (R, L, 4)
+        toks = pid_m * 8 + 2 * t[None, :, None] + j % 2
+        mask = (rows < N) & (toks < M)
+        last = True
+        if SPLIT_K > 1:
+            # Split-K without a second launch: each program stores its fp32 partial and takes a ticket
+            # for its output tile; the program that draws the last ticket sums the partials in split
+            # order (deterministic), finishes the tile and resets the counter for the next call.
+            part = part_ptr + (toks * N + rows).to(tl.int64)  # (R, L, 4): split s at part + s * M * N
+            tl.store(part + pid_k * M * N, acc, mask=mask)
+            tl.debug_barrier()  # every thread's partial is written before the ticket is taken
+            tile = pid_m * tl.num_programs(0) + pid_n
+            last = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
+            if last:
+                acc = tl.zeros((ROW_TILES, L, 4), tl.float32)
+                for s in range(SPLIT_K):  # .cg: read L2, never a stale line of this SM's L1
+                    acc += tl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.atomic_xchg(lock_ptr + tile, 0, sem="relaxed", scope="gpu")
+        if last:
+            if GS_PER_ROW:
+                acc = acc * (256.0 / tl.load(gs_ptr + rows % N))
+            else:
+                acc = acc * (256.0 / tl.load(gs_ptr))
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + rows % N).to(tl.float32)
+            tl.store(y_ptr + toks.to(tl.int64) * stride_ym + rows, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
 def _kernels(device):
     """This module's kernels; on CPU tensors they must be the interpreter's (see the import above)."""
     this = sys.modules[__name__]
@@ -522,13 +762,19 @@ def _tl_dtype(dtype):
     return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
 
 
-def plan_forward(M, N, K, dtype, device):
+def plan_forward(M, N, K, dtype, device, mma=True):
     """The kernel and its launch config for y (M, N) = x (M, K) @ W^T: a small table read off
-    `python fp4_gemm.py --tune` on an H200 (Qwen2.5-7B shapes; results/fp4_gemm_h200.md). Fixed per
-    shape, so nothing is tuned at run time (CUDA-graph and torch.compile safe). Returns a dict whose
-    "kernel" is "gemv", "tiled" or "dequant"."""
+    `python fp4_gemm.py --bench/--tune` on an H200 (Qwen2.5-7B shapes; results/fp4_gemm_h200.md). Fixed
+    per shape, so nothing is tuned at run time (CUDA-graph and torch.compile safe). Returns a dict
+    whose "kernel" is "mma", "gemv", "tiled" or "dequant". mma=False: a plan without the mma kernel
+    (for x it cannot read: fp32, K not a multiple of 64, misaligned)."""
     kernel = _choice["kernel"]
+    mma = mma and dtype != torch.float32 and K % 64 == 0
+    if kernel == "mma" and not mma:
+        kernel = None
     if device.type == "cpu":  # the interpreter: few, large programs run fastest
+        if kernel == "mma":
+            return dict(kernel="mma", ROW_TILES=1, num_warps=2, SPLIT_K=2 if K >= 512 else 1)
         if kernel == "gemv":
             return dict(kernel="gemv", BLOCK_N=16, BLOCK_K=64, SPLIT_K=2 if K >= 128 else 1)
         if kernel == "dequant":
@@ -536,14 +782,21 @@ def plan_forward(M, N, K, dtype, device):
         return dict(kernel="tiled", BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=4, SPLIT_K=1, num_warps=4,
                     num_stages=2)
     if kernel is None:
-        if M == 1:
-            kernel = "gemv"  # 1.2-1.8x cuBLAS
+        if M <= 8 and mma:
+            kernel = "mma"  # 1.6-2.4x cuBLAS at M = 1, 1.2-1.5x at M = 8
+        elif M == 1:
+            kernel = "gemv"  # 1.2-1.8x
         elif M > 128 or dtype == torch.float32:
             kernel = "dequant"  # compute dominates: this layer's bf16 weight + cuBLAS (fp32: exact fp32 GEMM)
         else:
             kernel = "tiled"
     if kernel == "dequant":
         return dict(kernel="dequant", DQ=(16, 256, 4))
+    if kernel == "mma":  # 64 rows a program; split K (up to 8) until there are ~2000 programs at M = 1,
+        split = 1  # ~500 above (measured best on the Qwen2.5-7B shapes)
+        while split < 8 and triton.cdiv(N, 64) * split < (2000 if M == 1 else 500):
+            split *= 2
+        return dict(kernel="mma", ROW_TILES=1, num_warps=4, SPLIT_K=split)
     if kernel == "gemv":  # 8 rows a program; split K in two when that still leaves few programs
         return dict(kernel="gemv", BLOCK_N=8, BLOCK_K=512, SPLIT_K=2 if triton.cdiv(N, 8) < 500 else 1,
                     num_warps=4, num_stages=1)
@@ -593,11 +846,33 @@ def dequantize_triton(packed, scale_u8, gs, dtype, cfg=None):
     return out
 
 
+_LOCKS = 1 << 16
+_lock_buffers = {}
+
+
+def _locks(device):
+    """The mma kernel's split-K tickets: one int32 counter per output tile, zero between calls (the last
+    program of a tile resets it). Allocated once per device, so CUDA graphs can keep its address.
+    Kernels on two streams at once would share the counters: run fp4 GEMMs on one stream."""
+    if device not in _lock_buffers:
+        _lock_buffers[device] = torch.zeros(_LOCKS, dtype=torch.int32, device=device)
+    return _lock_buffers[device]
+
+
+def _mma_fits(x2, packed):
+    """The mma kernel reads 16-bit x as 32-bit pairs and the codes as 32-bit words (16-byte vectors when
+    Triton sees 16-byte alignment), a lane's 64 k at a time."""
+    return (x2.dtype in (torch.bfloat16, torch.float16) and x2.shape[1] % 64 == 0 and x2.stride(0) % 2 == 0
+            and x2.data_ptr() % 4 == 0 and packed.data_ptr() % 4 == 0 and packed.stride(0) % 4 == 0)
+
+
 def triton_linear(x2, packed, scale_u8, gs, bias, plan=None):
     """y (M, N) = x2 (M, K) @ W^T (+ bias) on the Triton path; `plan` overrides plan_forward."""
     M, K = x2.shape
     N = packed.shape[0]
     plan = plan or plan_forward(M, N, K, x2.dtype, x2.device)
+    if plan["kernel"] == "mma" and not _mma_fits(x2, packed):
+        plan = plan_forward(M, N, K, x2.dtype, x2.device, mma=False)
     y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     if M == 0:
         return y
@@ -606,7 +881,7 @@ def triton_linear(x2, packed, scale_u8, gs, bias, plan=None):
         return torch.nn.functional.linear(x2, w, bias.to(x2.dtype) if bias is not None else None)
     ker = _kernels(x2.device)
     split = plan.get("SPLIT_K", 1)
-    bk = plan["BLOCK_K"]
+    bk = plan.get("BLOCK_K", 256)  # the mma kernel's k-step is 256
     k_split = triton.cdiv(triton.cdiv(K, split), bk) * bk  # a whole number of K blocks per split
     split = triton.cdiv(K, k_split)
     even_k = k_split * split == K
@@ -621,7 +896,18 @@ def triton_linear(x2, packed, scale_u8, gs, bias, plan=None):
     xb = dict(X16=x16, X_IS_BF16=dtype == torch.bfloat16)
     args = (x2, packed, scale_u8, gs, bias_arg, y, part, M, N, K, x2.stride(0), y.stride(0), packed.stride(0),
             scale_u8.stride(0), k_split)
-    if plan["kernel"] == "gemv":
+    if plan["kernel"] == "mma":
+        nw, rt = plan["num_warps"], plan["ROW_TILES"]
+        grid = (triton.cdiv(N, 16 * nw * rt), triton.cdiv(M, 8), split)
+        if grid[0] * grid[1] > _LOCKS:
+            raise ValueError(f"fp4_linear: {grid[0] * grid[1]} output tiles exceed the split-K counters ({_LOCKS})")
+        ker._mma_kernel[grid](x2, packed, scale_u8, gs, bias_arg, y, part, _locks(x2.device), M, N, K,
+                              x2.stride(0) // 2, y.stride(0),
+                              packed.stride(0) // 4, scale_u8.stride(0), k_split, ROW_TILES=rt, NUM_WARPS=nw,
+                              SPLIT_K=split, GS_PER_ROW=gs.numel() > 1, HAS_BIAS=bias is not None,
+                              EVEN_K=K % 256 == 0 and k_split % 256 == 0, USE_ASM=x2.is_cuda and plan.get("asm", True), F16=dtype == torch.float16,
+                              num_warps=nw, num_stages=plan.get("num_stages", 1))
+    elif plan["kernel"] == "gemv":
         grid = (triton.cdiv(N, plan["BLOCK_N"]), M, split)
         # On the GPU the decode is the PTX on 32-bit words (whatever x's dtype); the interpreter runs the
         # plain Triton decode.
@@ -636,7 +922,7 @@ def triton_linear(x2, packed, scale_u8, gs, bias, plan=None):
         ker._tiled_kernel[grid](*args, BLOCK_M=plan["BLOCK_M"], BLOCK_N=plan["BLOCK_N"], BLOCK_K=bk,
                                 GROUP_M=plan["GROUP_M"], DTYPE=tdt, PRECISION="ieee" if tdt == tl.float32 else "tf32",
                                 **common)
-    if split > 1:
+    if split > 1 and plan["kernel"] != "mma":  # (the mma kernel reduces its own split-K partials)
         block = 1024
         ker._splitk_reduce_kernel[(triton.cdiv(M * N, block),)](
             part, gs, bias_arg, y, M, N, y.stride(0), SPLIT_K=split, BLOCK=block, GS_PER_ROW=gs.numel() > 1,
@@ -1037,8 +1323,8 @@ def _measure(name, M, direction, plans, log):
     return rows
 
 
-def _table(rows, copy_tbps):
-    lines = [f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
+def _table(rows, copy_tbps, device=None):
+    lines = [f"Device: {device or torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
              f"device copy {copy_tbps:.2f} TB/s (read + write). Times: median of CUDA-graph replays over rotated "
              f"weight copies (≥ {ROTATE_BYTES >> 20} MiB a replay, L2 flushed between replays). TB/s counts packed "
              "weight + scales + x + y bytes; ratio = cuBLAS bf16 time / ours (> 1: we are faster).", "",
@@ -1047,6 +1333,8 @@ def _table(rows, copy_tbps):
     for r in rows:
         p = r["plan"]
         kern = ("dequant+cuBLAS" + (" {}x{} w{}".format(*p["DQ"]) if p.get("DQ") else "")) if p["kernel"] == "dequant" else (
+            f"mma {16 * p['num_warps'] * p['ROW_TILES']} rows" + (f" split{p['SPLIT_K']}" if p.get("SPLIT_K", 1) > 1 else "")
+            + f" w{p['num_warps']}") if p["kernel"] == "mma" else (
             f"{p['kernel']} {p.get('BLOCK_M', 1)}x{p['BLOCK_N']}x{p['BLOCK_K']}"
             + (f" split{p['SPLIT_K']}" if p.get("SPLIT_K", 1) > 1 else "")
             + (" plain-decode" if p.get("asm") is False else "")

@@ -71,14 +71,15 @@ fused op below has its torch reference next to its kernel, and the tests run bot
 through Triton's interpreter).
 
 Measured (H200, Qwen2.5-7B shape, NVFP4 + LoRA r32 + AQN, results/rollout_h200.md): batch 1 runs
-at 5.06 ms a step against a 1.16 ms floor. Of its 4.71 ms of kernel time, fp4_gemm's GEMMs take 3.17
-(3.67 GB at 1.16 TB/s), cuBLAS 1.06 (lm_head ~0.26, the 112 small LoRA-A GEMMs + their split-K
-reduces and the 56 LoRA-B adds the rest), this file's kernels 0.47; gaps between the 566 graphed
-launches 0.35. Without the graph the same step costs 72 ms (Python and launch overhead); with torch
-ops instead of the Triton kernels 8.7 ms (batch 1) and 15.0 ms instead of 9.3 (batch 64: the torch
-attention reads the whole cache). What remains, in order: the fp4 GEMMs at bandwidth, then the
-LoRA-A products fused into the kernels that produce their inputs (deterministic split-K partials
-summed by the consumer kernels) instead of 4 cuBLAS calls + 4 reduces a layer.
+at 3.75 ms a step against a 1.16 ms floor. Of its 3.42 ms of kernel time, fp4_gemm's GEMMs take 1.86
+(3.67 GB at 1.97 TB/s, the tensor-core `mma` kernel), cuBLAS 1.08 (lm_head ~0.25, the 112 small
+LoRA-A GEMMs + their 112 split-K reduces and the 56 LoRA-B addmm the rest), this file's kernels 0.48;
+gaps between the 566 graphed launches 0.33. Without the graph a step costs ~70 ms (Python and launch
+overhead; session 1's measurement). What remains, in order: LoRA, whose A products are bytes worth ~40 µs a step but
+cost ~0.85 ms as 280 cuBLAS launches (a split-K Triton kernel with partials summed by the consumers
+was tried and was slower overall, see results/; the next try is the A product as extra rows of the
+fp4 kernel's grid and the B product in its epilogue), and an fp4 kernel for 16-64 rows (batch 64 is
+slower in NVFP4 than in bf16).
 
 Departures. vLLM (which the official QeRL code uses) pages its KV cache and batches continuously;
 here a batch is static and every row shares the cache's column index (left padding), which keeps the
@@ -1070,7 +1071,7 @@ def _profile(model, batch, prompt_len, steps=4):
         if t <= 0 or e.key.startswith(("Memcpy", "Memset")) or "aten::" in e.key:
             continue
         k = e.key
-        name = ("fp4 gemm" if k.startswith(("_gemv_kernel", "_tiled_kernel", "_splitk_reduce", "_dequant_kernel")) else
+        name = ("fp4 gemm" if k.startswith(("_mma_kernel", "_gemv_kernel", "_tiled_kernel", "_splitk_reduce", "_dequant_kernel")) else
                 "attention" if "_attn_" in k else "rope+write" if "rope" in k else "silu_mul" if "silu" in k else
                 "add_rmsnorm" if "rmsnorm" in k else "sampler" if "sample" in k else
                 "cuBLAS (lm_head, LoRA, bf16 base)" if "gemm" in k.lower() or "gemv" in k.lower() or "cutlass" in k

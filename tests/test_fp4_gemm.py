@@ -87,6 +87,7 @@ def tol(dtype):
 
 # (M, K, N): odd shapes, sampled from M {1, 3, 17} x K {16, 48, 272} x N {8, 40, 264}
 SHAPES = [(1, 16, 8), (1, 272, 264), (3, 48, 40), (3, 272, 8), (17, 16, 264), (17, 272, 40), (17, 48, 8)]
+MMA_SHAPES = [(1, 64, 8), (3, 320, 40), (17, 192, 264), (1, 576, 264), (9, 64, 40), (3, 256, 8)]
 
 
 def run_case(M, K, N, dtype, bias, per_row, lead, seed, path, kernel=None):
@@ -112,14 +113,18 @@ def test_torch_path(M, K, N, dtype, poisoned):
 
 
 @needs_triton
-@pytest.mark.parametrize("kernel", ["gemv", "tiled", "dequant"])
+@pytest.mark.parametrize("kernel", ["mma", "gemv", "tiled", "dequant"])
 @pytest.mark.parametrize("case", range(6))
 def test_triton_forward(kernel, case, poisoned):
     # A different sample of (shape, dtype, bias, per-row scale, leading dims) per case and kernel.
     g = torch.Generator().manual_seed(case * 7 + len(kernel))
     shapes = [s for s in SHAPES if kernel != "gemv" or s[0] <= 3]  # the interpreter runs a GEMV row per program
     M, K, N = shapes[(case + len(kernel)) % len(shapes)]
-    dtype = [torch.bfloat16, torch.float32][case % 2] if kernel != "dequant" or case % 2 == 0 else torch.bfloat16
+    if kernel == "mma":  # 16-bit x, K a multiple of 64 (tails of the 256-wide k-step included)
+        M, K, N = MMA_SHAPES[case]
+        dtype = [torch.bfloat16, torch.float16][case % 2]
+    else:
+        dtype = [torch.bfloat16, torch.float32][case % 2] if kernel != "dequant" or case % 2 == 0 else torch.bfloat16
     bias, per_row = bool(torch.randint(2, (), generator=g)), case % 3 == 1
     lead = [(), (2,), (2, 1)][case % 3]
     err = run_case(M, K, N, dtype, bias, per_row, lead, seed=case + 100 * len(kernel), path="triton", kernel=kernel)
@@ -128,6 +133,7 @@ def test_triton_forward(kernel, case, poisoned):
 
 @needs_triton
 @pytest.mark.parametrize("kernel,plan", [
+    ("mma", dict(kernel="mma", ROW_TILES=2, num_warps=1, SPLIT_K=2)),
     ("gemv", dict(kernel="gemv", BLOCK_N=16, BLOCK_K=32, SPLIT_K=3)),
     ("tiled", dict(kernel="tiled", BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=2, SPLIT_K=4)),
     ("tiled", dict(kernel="tiled", BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=1, SPLIT_K=2)),
@@ -135,7 +141,7 @@ def test_triton_forward(kernel, case, poisoned):
 def test_split_k(kernel, plan, poisoned):
     """Split-K: fp32 partials in a workspace (poisoned too) summed by the reduce kernel, with uneven
     splits (K = 272 is no multiple of the split's K range) and tiles that overhang N and M."""
-    M, K, N = (2, 272, 40) if kernel == "gemv" else (17, 272, 40)
+    M, K, N = (2, 272, 40) if kernel == "gemv" else (17, 272, 40) if kernel == "tiled" else (9, 784, 40)
     q = make_q(N, K, per_row=True, seed=5)
     g = torch.Generator().manual_seed(6)
     x = torch.randn(M, K, generator=g).to(torch.bfloat16).to(DEV)
@@ -144,6 +150,8 @@ def test_split_k(kernel, plan, poisoned):
     ref = x.double().cpu() @ ref_weight(q.packed, q.scale, q.global_scale).t() + b.double().cpu()
     assert torch.isfinite(y).all()
     assert rel_err(y, ref) <= 1e-2
+    # deterministic, and the mma kernel's split-K counters are back at zero for the next call
+    assert torch.equal(fp4_gemm.triton_linear(x, q.packed, q.scale.view(torch.uint8), q.global_scale, b, plan), y)
 
 
 @pytest.mark.parametrize("path,kernel", [("torch", None)] + ([("triton", "tiled"), ("triton", "dequant")]
@@ -291,6 +299,24 @@ def test_gpu_ptx_decode_matches_plain_decode():
     fast = fp4_gemm.triton_linear(x[:1].float(), *args, plan)
     slow = fp4_gemm.triton_linear(x[:1].float(), *args, dict(plan, asm=False))
     assert rel_err(fast, slow.double().cpu()) < 1e-6
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_mma_ptx_matches_its_model(dtype):
+    """The mma kernel's PTX block (decode + mma.sync, lanes exchanging nothing) against the plain-Triton
+    model of it (the path the CPU tests run) and the float64 reference, at shapes with a K tail, token
+    tiles, split-K and rows past N."""
+    for M, K, N, split in ((1, 3584, 200, 1), (8, 1088, 136, 2), (13, 576, 72, 3)):
+        q = make_q(N, K, per_row=True, seed=M + K)
+        x = torch.randn(M, K, dtype=dtype, device=DEV)
+        args = (q.packed, q.scale.view(torch.uint8), q.global_scale, None)
+        plan = dict(kernel="mma", ROW_TILES=1, num_warps=4, SPLIT_K=split)
+        fast = fp4_gemm.triton_linear(x, *args, plan)
+        slow = fp4_gemm.triton_linear(x, *args, dict(plan, asm=False))
+        ref = x.double().cpu() @ ref_weight(q.packed, q.scale, q.global_scale).t()
+        assert rel_err(fast, slow.double().cpu()) < 2e-3  # fp32 sums in another order, then 16-bit rounding
+        assert rel_err(fast, ref) < (4e-3 if dtype == torch.bfloat16 else 1e-3)
 
 
 @gpu_only
