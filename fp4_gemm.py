@@ -729,13 +729,13 @@ if HAS_TRITON:
             part = part_ptr + (toks * N + rows).to(tl.int64)  # (R, L, 4): split s at part + s * M * N
             tl.store(part + pid_k * M * N, acc, mask=mask)
             tl.debug_barrier()  # every thread's partial is written before the ticket is taken
-            tile = pid_m * tl.num_programs(0) + pid_n
-            last = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
+            out_tile = pid_m * tl.num_programs(0) + pid_n
+            last = tl.atomic_add(lock_ptr + out_tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
             if last:
                 acc = tl.zeros((ROW_TILES, L, 4), tl.float32)
                 for s in range(SPLIT_K):  # .cg: read L2, never a stale line of this SM's L1
                     acc += tl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-                tl.atomic_xchg(lock_ptr + tile, 0, sem="relaxed", scope="gpu")
+                tl.atomic_xchg(lock_ptr + out_tile, 0, sem="relaxed", scope="gpu")
         if last:
             if GS_PER_ROW:
                 acc = acc * (256.0 / tl.load(gs_ptr + rows % N))
@@ -744,6 +744,7 @@ if HAS_TRITON:
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + rows % N).to(tl.float32)
             tl.store(y_ptr + toks.to(tl.int64) * stride_ym + rows, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
 
 def _kernels(device):
     """This module's kernels; on CPU tensors they must be the interpreter's (see the import above)."""
