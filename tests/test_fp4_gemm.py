@@ -334,3 +334,23 @@ def test_gpu_cuda_graph_and_compile():
     compiled = torch.compile(layer, fullgraph=True)
     assert torch.equal(compiled(x), layer(x))
     assert not torch.equal(want, got)  # the replay really recomputed from the new x
+
+
+def test_bench_table_names_every_planned_kernel():
+    """`python fp4_gemm.py --bench` prints one table row per problem whatever kernel the per-shape plan
+    picked (a missing key in one plan kind once lost a GPU run's table)."""
+    cuda = torch.device("cuda")  # plan_forward's GPU table; nothing runs on a GPU here
+    rows = []
+    for i, (M, (K, parts, _)) in enumerate([(M, s) for M in fp4_gemm.BENCH_M for s in fp4_gemm.QWEN7B_SHAPES.values()]):
+        N = sum(parts)
+        plan = fp4_gemm.plan_forward(M, N, K, torch.bfloat16, cuda)
+        rows.append(dict(shape=f"s{i}", M=M, N=N, K=K, direction="fwd", plan=plan, ms=1e-3 * (i + 1), err=1e-3,
+                         cublas_ms=2e-3, cublas_err=2e-3, tbps=1.0, tflops=2.0, ratio=2.0 / (i + 1)))
+    rows.append(dict(rows[-1], shape="dx", direction="dx", plan=fp4_gemm.plan_dx(4096, 3584, 18944, torch.bfloat16, cuda)))
+    lines = fp4_gemm._table(rows, 4.25, device="a GPU").splitlines()
+    body = [l for l in lines if l.startswith("| s") or l.startswith("| dx")]
+    assert len(body) == len(rows)
+    assert {r["plan"]["kernel"] for r in rows} == {"mma", "tiled", "dequant"}
+    for r, line in zip(rows, body):
+        label = {"mma": "mma ", "tiled": "tiled ", "dequant": "dequant+cuBLAS"}[r["plan"]["kernel"]]
+        assert f"| {label}" in line and f"| {r['ms'] * 1e3:.1f} |" in line, line
