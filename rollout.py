@@ -85,8 +85,9 @@ Departures. vLLM (which the official QeRL code uses) pages its KV cache and batc
 here a batch is static and every row shares the cache's column index (left padding), which keeps the
 kernels simple and the graph fixed. LoRA is computed in the model's dtype with fp32 accumulation
 (lora.py's forward keeps the adapters in fp32): the difference is at the rounding of the bf16
-output. The base weights of q/k/v and gate/up are stacked into copies once per model (about 3.3 GB
-extra for 7B in NVFP4; `release(model)` frees them and the caches).
+output. The base weights of q/k/v and gate/up are stacked into one tensor each, once per model; the
+separate linears keep views of their rows, so the stacking costs no memory (`release(model)` frees
+the caches and graphs).
 
     python rollout.py --model qwen2.5-7b --prompt "What is 17 * 23?" --quant nvfp4
     python rollout.py --bench                  # the H200 table in results/rollout_h200.md
@@ -497,16 +498,33 @@ class _Group:
 
     @staticmethod
     def _fuse(bases):
+        """One GEMM for linears that share their input. Their weights are stacked into one tensor once
+        per model, and each linear's own weight becomes a view of its rows: no second copy (for the
+        Qwen2.5-7B q|k|v and gate|up that would be 2.4 GB in NVFP4, 8.5 GB in bf16), and training, which
+        runs the separate linears, reads the same memory."""
         if len(bases) == 1:
             return bases[0]
+        rows = [0]
+        for b in bases:
+            rows.append(rows[-1] + b.out_features)
         if all(type(b) is nn.Linear for b in bases):
-            w = torch.cat([b.weight.detach() for b in bases])  # (N_total, K): a copy, made once per model
+            w = torch.cat([b.weight.detach() for b in bases])  # (N_total, K)
             bias = None
             if any(b.bias is not None for b in bases):
                 bias = torch.cat([b.bias.detach() if b.bias is not None else w.new_zeros(b.out_features) for b in bases])
+            for b, lo, hi in zip(bases, rows, rows[1:]):
+                b.weight.data = w[lo:hi]
+                if b.bias is not None:
+                    b.bias.data = bias[lo:hi]
             return lambda x: F.linear(x, w, bias)
-        if all(isinstance(b, fp4_gemm.QuantLinear) for b in bases) and hasattr(fp4_gemm.QuantLinear, "concat"):
-            return fp4_gemm.QuantLinear.concat(bases)
+        if all(isinstance(b, fp4_gemm.QuantLinear) for b in bases):
+            fused = fp4_gemm.QuantLinear.concat(bases)
+            for b, lo, hi in zip(bases, rows, rows[1:]):
+                b.weight_packed = fused.weight_packed[lo:hi]  # (registered buffers: replaced in place)
+                b.weight_scale = fused.weight_scale[lo:hi]
+                if b.bias is not None:
+                    b.bias.data = fused.bias.data[lo:hi]
+            return fused
         return lambda x: torch.cat([b(x) for b in bases], -1)  # unknown modules: correct, not fused
 
     @torch.no_grad()
@@ -927,7 +945,7 @@ def _decoder(model, kernels, graphs):
 
 
 def release(model):
-    """Drop the decoder generate() keeps on `model` (fused weight copies, KV caches, CUDA graphs)."""
+    """Drop the decoder generate() keeps on `model` (KV caches, CUDA graphs, LoRA buffers)."""
     dec = model.__dict__.pop("_rollout_decoder", None)
     if dec is not None and model.device.type == "cuda":
         del dec

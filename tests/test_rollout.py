@@ -67,6 +67,34 @@ def test_logprobs_equal_full_forward(hf_folder, kernels, quantize):
     assert r.stats["kernels"] == kernels and r.stats["prefill_rows"] == len(prompts)
 
 
+@pytest.mark.parametrize("quantize", [False, True])
+def test_fused_projections_share_the_model_weights(hf_folder, quantize):
+    """The decoder's stacked q|k|v and gate|up weights are the model's own memory (the linears hold
+    views of their rows): no copy, the same forward before and after, and a later in-place change of a
+    weight is seen by the next rollout."""
+    _, model = load(hf_folder, quantize=quantize)
+    seq = torch.tensor([prompts_of([6], 97, seed=3)[0]])
+    with torch.no_grad():
+        before = model(seq)
+    rollout.generate(model, prompts_of([4], 97), max_new_tokens=2, seed=0, kernels="torch")
+    for layer in model.layers:
+        for mods in ((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+                     (layer.mlp.gate_proj, layer.mlp.up_proj)):
+            tensors = [m.base.weight_packed if quantize else m.base.weight for m in mods]
+            storage = {t.untyped_storage().data_ptr() for t in tensors}
+            assert len(storage) == 1, "the stacked weight is a copy"
+            assert tensors[0].data_ptr() == next(iter(storage))  # first rows first
+    with torch.no_grad():
+        assert torch.equal(model(seq), before)
+        greedy = rollout.generate(model, [seq[0].tolist()], max_new_tokens=1, temperature=0, kernels="torch")
+        q = model.layers[0].self_attn.q_proj.base
+        (q.weight_packed if quantize else q.weight).zero_()  # in place, as a loader would write
+        changed = rollout.generate(model, [seq[0].tolist()], max_new_tokens=1, temperature=0, kernels="torch")
+        assert not torch.equal(greedy.logprobs, changed.logprobs)
+        want = torch.log_softmax(model(seq)[0, -1].double(), -1)[changed.tokens[0, 0]]
+        assert abs(changed.logprobs[0, 0].item() - want.item()) <= 1e-5
+
+
 def test_greedy_matches_transformers(hf_folder):
     hf, model = load(hf_folder, with_lora=False, seed=3)
     for prompt in prompts_of([6, 2], 97, seed=2):
