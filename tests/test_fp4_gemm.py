@@ -139,9 +139,10 @@ def test_triton_forward(kernel, case, poisoned):
     ("tiled", dict(kernel="tiled", BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=1, SPLIT_K=2)),
 ])
 def test_split_k(kernel, plan, poisoned):
-    """Split-K: fp32 partials in a workspace (poisoned too) summed by the reduce kernel, with uneven
-    splits (K = 272 is no multiple of the split's K range) and tiles that overhang N and M."""
-    M, K, N = (2, 272, 40) if kernel == "gemv" else (17, 272, 40) if kernel == "tiled" else (9, 784, 40)
+    """Split-K: fp32 partials in a workspace (poisoned too) summed by the reduce kernel (the mma kernel:
+    by the program that finishes a tile last), with uneven splits (K = 272 or 832 is no multiple of the
+    split's K range) and tiles that overhang N and M."""
+    M, K, N = (2, 272, 40) if kernel == "gemv" else (17, 272, 40) if kernel == "tiled" else (9, 832, 40)
     q = make_q(N, K, per_row=True, seed=5)
     g = torch.Generator().manual_seed(6)
     x = torch.randn(M, K, generator=g).to(torch.bfloat16).to(DEV)
