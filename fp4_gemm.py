@@ -24,12 +24,14 @@ Decoding in registers, without tables. Both formats are tiny floats, so bit move
   11..9) reads as e2m1 * 2^-14; into bf16's (bits 8..6) as e2m1 * 2^-126. The code with e = 0
   (value 0.5) becomes a subnormal, which is exactly right. The missing power of two is folded into
   the block scale.
-On the GPU this is PTX on 32-bit registers (two values per instruction): for the GEMV, 13 integer
+On the GPU this is PTX on 32-bit registers (two values per instruction): for the mma kernel, each
+pair of codes is shifted to the top of the two 16-bit halves, masked and shifted under the exponent
+(3 integer instructions), then one `mul.bf16x2` by the block scale; for the GEMV, 13 integer
 instructions turn a word of 8 codes into 4 float16 pairs ((h | h >> 3) & 0x8E008E00 with the high
-nibbles isolated in h); for the tiles, `prmt` + masks + one `mul.bf16x2` by the block scale give bf16
-pairs. At decode speed the SM has only ~5 issue slots per weight, so this is what bounds the GEMV.
-Under the Triton interpreter (CPU) the same numbers come from plain Triton integer ops; a GPU test
-checks that both decodes give bit-identical tiles.
+nibbles isolated in h); for the tiles, `prmt` + masks + one `mul.bf16x2`. At decode speed an SM has
+only a few issue slots per weight (the integer ones at half rate), so this is what bounds decoding.
+Under the Triton interpreter (CPU) the same numbers come from plain Triton integer ops; GPU tests
+check that both decodes agree bit for bit.
 
 Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
 `python fp4_gemm.py --bench/--tune` on an H200 (results/fp4_gemm_h200.md has the measured table):
