@@ -1208,6 +1208,10 @@ def _candidates(M, N, K, direction):
     if direction == "dx":
         return dq + [dict(kernel="tiled", BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)]
     c = []
+    if M <= 8:
+        for w in (4, 8):
+            for split in (1, 2, 4, 8):
+                c.append(dict(kernel="mma", ROW_TILES=1, num_warps=w, SPLIT_K=split))
     if M == 1:
         for bn, bk, w in ((8, 512, 4), (8, 256, 2), (16, 512, 4), (32, 512, 4)):
             for split in (1, 2, 4):

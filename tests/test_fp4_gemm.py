@@ -348,10 +348,12 @@ def test_bench_table_names_every_planned_kernel():
         rows.append(dict(shape=f"s{i}", M=M, N=N, K=K, direction="fwd", plan=plan, ms=1e-3 * (i + 1), err=1e-3,
                          cublas_ms=2e-3, cublas_err=2e-3, tbps=1.0, tflops=2.0, ratio=2.0 / (i + 1)))
     rows.append(dict(rows[-1], shape="dx", direction="dx", plan=fp4_gemm.plan_dx(4096, 3584, 18944, torch.bfloat16, cuda)))
+    for M in (1, 64, 4096):  # and every config --tune may report as the best
+        rows += [dict(rows[-1], shape="s-tune", M=M, plan=p) for p in fp4_gemm._candidates(M, 37888, 3584, "fwd")]
     lines = fp4_gemm._table(rows, 4.25, device="a GPU").splitlines()
     body = [l for l in lines if l.startswith("| s") or l.startswith("| dx")]
     assert len(body) == len(rows)
-    assert {r["plan"]["kernel"] for r in rows} == {"mma", "tiled", "dequant"}
+    assert {r["plan"]["kernel"] for r in rows} == {"mma", "gemv", "tiled", "dequant"}
     for r, line in zip(rows, body):
-        label = {"mma": "mma ", "tiled": "tiled ", "dequant": "dequant+cuBLAS"}[r["plan"]["kernel"]]
+        label = {"mma": "mma ", "gemv": "gemv ", "tiled": "tiled ", "dequant": "dequant+cuBLAS"}[r["plan"]["kernel"]]
         assert f"| {label}" in line and f"| {r['ms'] * 1e3:.1f} |" in line, line
