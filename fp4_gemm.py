@@ -46,9 +46,10 @@ Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
   plain-Triton model of the PTX block (the exchange between lanes written as reshapes), and a GPU
   test checks the two agree. Split-K programs leave fp32 partials and the last one to finish a
   tile (an atomic ticket) sums them in order: deterministic, and no second launch. 1.6-2.4x cuBLAS
-  bf16 at M = 1 (gate/up 2.25 TB/s), 1.2-1.6x at M = 8. What bounds it (Nsight Compute's counters and the
-  SASS): the integer decode (~3 ALU instructions per 2 weights) at M = 1, and at M = 8 the L1 traffic of x (each lane reads 16-byte
-  pieces of x 128 bytes apart); a Marlin-style repacking of the stored codes would cut both.
+  bf16 at M = 1 (gate/up 2.25 TB/s), 1.2-1.6x at M = 8. What bounds it (by Nsight Compute's counters
+  and the SASS): at M = 1 the integer decode (~3 ALU instructions per 2 weights), at M = 8 the L1
+  traffic of x (each lane reads 16-byte pieces of x 128 bytes apart); a Marlin-style repacking of the
+  stored codes would cut both.
 - gemv (M = 1 with fp32 x): a program owns 8 weight rows and walks K in steps of 512 with 16-byte
   loads of packed codes, multiply-adding in fp32; optional split-K with a reduce kernel.
 - tiled (2 <= M <= 128 where mma does not serve): fused dequantize + tl.dot tiles (BM = 16 or 64),
