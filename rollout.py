@@ -1093,7 +1093,8 @@ def _profile(model, batch, prompt_len, steps=4):
                 "attention" if "_attn_" in k else "rope+write" if "rope" in k else "silu_mul" if "silu" in k else
                 "add_rmsnorm" if "rmsnorm" in k else "sampler" if "sample" in k else
                 "cuBLAS (lm_head, LoRA, bf16 base)" if "gemm" in k.lower() or "gemv" in k.lower() or "cutlass" in k
-                or "sm90" in k or "xmma" in k else "other: " + k[:40])
+                or "sm90" in k or "xmma" in k else "cuBLAS split-K reduces" if "splitKreduce" in k
+                else "other: " + k[:40])
         g = groups.setdefault(name, [0.0, 0])
         g[0] += t / steps / 1e3
         g[1] += e.count / steps
