@@ -17,9 +17,11 @@ What is asserted and why:
 - Fresh random inputs per case (seeded by the case, so a failure reproduces).
 """
 import os
+import re
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -357,3 +359,145 @@ def test_bench_table_names_every_planned_kernel():
     for r, line in zip(rows, body):
         label = {"mma": "mma ", "gemv": "gemv ", "tiled": "tiled ", "dequant": "dequant+cuBLAS"}[r["plan"]["kernel"]]
         assert f"| {label}" in line and f"| {r['ms'] * 1e3:.1f} |" in line, line
+
+
+# ------------------------------------------------------------------------------------------------
+# The mma kernel's PTX block on the CPU: a warp-wide emulator of the dozen PTX instructions it uses
+# ------------------------------------------------------------------------------------------------
+
+def _bf16_to_f32(h):  # uint32 arrays holding 16-bit patterns → float32 values (exact)
+    return (h.astype(np.uint32) << 16).view(np.float32)
+
+
+def _f32_to_bf16(f):  # round to nearest even
+    b = f.astype(np.float32).view(np.uint32)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
+
+
+def _halves(v, ty):
+    lo, hi = v & 0xFFFF, v >> 16
+    if ty == "bf16":
+        return _bf16_to_f32(lo), _bf16_to_f32(hi)
+    return lo.astype(np.uint16).view(np.float16).astype(np.float32), hi.astype(np.uint16).view(np.float16).astype(np.float32)
+
+
+def _pack(lo, hi, ty):
+    if ty == "bf16":
+        return _f32_to_bf16(lo) | (_f32_to_bf16(hi) << 16)
+    return lo.astype(np.float16).view(np.uint16).astype(np.uint32) | (hi.astype(np.float16).view(np.uint16).astype(np.uint32) << 16)
+
+
+def run_ptx_warp(asm, operands):
+    """Run an inline-asm block for the 32 lanes of a warp at once. operands: {"$k": array (32,)} of uint32
+    (float32 for the f32 accumulators); returns the registers. Implements only what the mma blocks
+    use: mov, and, or, shl, shr, mul.hi.u32, prmt (default mode), mul.rn.{bf16,f16}x2 and
+    mma.sync.aligned.m16n8k16.row.col.f32 with the PTX ISA's fragment layout."""
+    regs = {k: np.asarray(v) for k, v in operands.items()}
+    lane = np.arange(32)
+    g, t = lane // 4, lane % 4
+
+    def val(x):
+        x = x.strip()
+        if x in regs:
+            return regs[x]
+        if x.startswith("0f"):
+            return np.full(32, np.uint32(int(x[2:], 16)).view(np.float32))
+        return np.full(32, int(x, 0), dtype=np.uint64).astype(np.uint32)
+
+    for ins in asm.strip().strip("{}").split(";"):
+        ins = ins.strip()
+        if not ins or ins.startswith(".reg"):
+            continue
+        op, rest = ins.split(None, 1)
+        if op.startswith("mma.sync"):
+            ty = op.split(".")[-3]
+            d, a, b, c = [[r.strip() for r in grp.split(",")] for grp in re.findall(r"\{([^}]*)\}", rest)]
+            A, B, C = np.zeros((16, 16)), np.zeros((16, 8)), np.zeros((16, 8))
+            for i, (rows, cols) in enumerate(((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8))):
+                lo, hi = _halves(regs[a[i]].astype(np.uint32), ty)
+                A[rows, cols], A[rows, cols + 1] = lo, hi
+            for i, rows in enumerate((2 * t, 2 * t + 8)):
+                lo, hi = _halves(regs[b[i]].astype(np.uint32), ty)
+                B[rows, g], B[rows + 1, g] = lo, hi
+            for i, (rows, cols) in enumerate(((g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1))):
+                C[rows, cols] = val(c[i])
+            D = A @ B + C
+            for i, (rows, cols) in enumerate(((g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1))):
+                regs[d[i]] = D[rows, cols].astype(np.float32)
+            continue
+        args = [x.strip() for x in rest.split(",")]
+        dst, src = args[0], [val(x) for x in args[1:]]
+        u = [s.astype(np.uint64) for s in src]
+        if op == "mov.b32":
+            out = src[0]
+        elif op == "and.b32":
+            out = u[0] & u[1]
+        elif op == "or.b32":
+            out = u[0] | u[1]
+        elif op == "shl.b32":
+            out = (u[0] << u[1]) & 0xFFFFFFFF
+        elif op == "shr.b32":
+            out = u[0] >> u[1]
+        elif op == "mul.hi.u32":
+            out = (u[0] * u[1]) >> 32
+        elif op == "prmt.b32":
+            pool = u[0] | (u[1] << 32)  # bytes 0-3 from a, 4-7 from b
+            out = sum(((pool >> (8 * ((u[2] >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+        elif op in ("mul.rn.bf16x2", "mul.rn.f16x2"):
+            ty = op.split(".")[-1][:-2]
+            (a0, a1), (b0, b1) = _halves(src[0].astype(np.uint32), ty), _halves(src[1].astype(np.uint32), ty)
+            out = _pack(a0.astype(np.float64) * b0, a1.astype(np.float64) * b1, ty)
+        else:
+            raise NotImplementedError(op)
+        regs[dst] = np.asarray(out).astype(np.uint32) if op != "mov.b32" or np.asarray(out).dtype != np.float32 else out
+    return regs
+
+
+@pytest.mark.skipif(not fp4_gemm.HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("f16", [False, True])
+@pytest.mark.parametrize("half", [0, 1])
+def test_mma_ptx_block_emulated(f16, half):
+    """The PTX block the mma kernel runs (decode + scale + mma.sync over a warp), executed by a CPU
+    emulator of its instructions, against float64 on the same lane layout: lane 4g + t holds words
+    k = 8w + i of rows g and g + 8 (w = 0..3), x of token g at the same k, and gets rows g / g + 8 at
+    tokens 2t / 2t + 1. The GPU test above checks the real PTX against the kernel's model."""
+    rng = np.random.default_rng(7 + 2 * half + f16)
+    words = {r: rng.integers(0, 2**32, (32, 4), dtype=np.uint64).astype(np.uint32) for r in ("top", "bot")}
+    sbytes = {r: rng.integers(0, 0x7F, (32, 4)).astype(np.uint8) | (rng.integers(0, 2, (32, 4)) << 7).astype(np.uint8)
+              for r in ("top", "bot")}  # E4M3 scales (no NaN code 0x7F/0xFF), either sign
+    x = rng.standard_normal((32, 4, 8)).astype(np.float32)  # lane, word, i
+    if f16:
+        xbits = x.astype(np.float16).view(np.uint16).astype(np.uint32)
+    else:
+        xbits = _f32_to_bf16(x)
+    xq = (xbits[:, :, 0::2] | (xbits[:, :, 1::2] << 16)).astype(np.uint32)  # (lane, word, pair j): (x[2j], x[2j+1])
+    acc = rng.standard_normal((32, 4)).astype(np.float32)
+    ops = {}
+    for i in range(4):
+        ops[f"${4 + i}"], ops[f"${8 + i}"] = words["top"][:, i], words["bot"][:, i]
+        ops[f"${30 + i}"] = acc[:, i]
+    for r, k in (("top", 12), ("bot", 13)):
+        s = sbytes[r].astype(np.uint32)
+        ops[f"${k}"] = s[:, 0] | (s[:, 1] << 8) | (s[:, 2] << 16) | (s[:, 3] << 24)
+    for w in range(4):
+        for j in range(4):
+            ops[f"${14 + 4 * w + j}"] = xq[:, w, j]
+    asm = fp4_gemm._mma_asm(f16, half)
+    regs = run_ptx_warp(asm, ops)
+    got = np.stack([regs[f"${i}"] for i in range(4)], 1).astype(np.float64)  # (lane, 4)
+
+    e2m1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+    xv = (x.astype(np.float16) if f16 else _bf16_to_f32(xbits)).astype(np.float64)  # (lane, word, i)
+    lane = np.arange(32)
+    g, t = lane // 4, lane % 4
+    want = np.zeros((32, 4))
+    for r_i, r in enumerate(("top", "bot")):
+        codes = (words[r][:, :, None].astype(np.int64) >> (4 * np.arange(8))) & 0xF  # (lane, word, i)
+        scale = torch.tensor(sbytes[r]).view(torch.float8_e4m3fn).double().numpy()  # (lane, 4 bytes)
+        wv = e2m1[codes] * scale[:, [2 * half + wi // 2 for wi in range(4)]][:, :, None] / 256  # * 2^-8
+        for L in range(32):
+            for c_i, tok in enumerate((2 * t[L], 2 * t[L] + 1)):
+                quad = (g == g[L])  # lanes holding row g[L] (one per t')
+                src = (g == tok)  # lanes holding token `tok` (one per t')
+                want[L, 2 * r_i + c_i] = acc[L, 2 * r_i + c_i] + (wv[quad] * xv[src]).sum()
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
