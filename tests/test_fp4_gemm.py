@@ -501,3 +501,29 @@ def test_mma_ptx_block_emulated(f16, half):
                 src = (g == tok)  # lanes holding token `tok` (one per t')
                 want[L, 2 * r_i + c_i] = acc[L, 2 * r_i + c_i] + (wv[quad] * xv[src]).sum()
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(not fp4_gemm.HAS_TRITON, reason="needs triton")
+def test_decode_ptx_blocks_emulated():
+    """The GEMV's word decode and the tiles' byte decode (PTX, GPU only) on the CPU emulator: every code
+    comes out as e2m1 * 2^-14 (float16 pairs), or as e2m1 * scale in bf16 / float16 pairs."""
+    rng = np.random.default_rng(3)
+    e2m1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+    q = rng.integers(0, 2**32, 32, dtype=np.uint64).astype(np.uint32)  # one word of 8 codes a lane
+    code = lambda k: (q.astype(np.int64) >> (4 * k)) & 0xF  # k = 2 * byte + nibble
+    regs = run_ptx_warp(fp4_gemm._e2m1_word_asm(), {"$4": q})
+    for out, (k_lo, k_hi) in (("$0", (3, 7)), ("$1", (1, 5)), ("$2", (2, 6)), ("$3", (0, 4))):
+        lo, hi = _halves(regs[out], "f16")
+        np.testing.assert_array_equal(lo * 2.0**14, e2m1[code(k_lo)])
+        np.testing.assert_array_equal(hi * 2.0**14, e2m1[code(k_hi)])
+    for ty, shift, mask, mul, power in (("bf16", 6, "0x01C001C0", "mul.rn.bf16x2", 126),
+                                        ("f16", 3, "0x0E000E00", "mul.rn.f16x2", 14)):
+        # decoded codes read e2m1 * 2^-power; the kernels' scale pair is s * 2^power (s exact, few bits)
+        s = rng.choice([0.5, 0.75, 1.0, 1.5, 2.0, 3.0], (32, 4))  # each byte's own scale
+        sp = (s * 2.0**power).astype(np.float32)
+        regs = run_ptx_warp(fp4_gemm._e2m1_asm(shift, mask, mul),
+                            {"$4": q, "$5": _pack(sp[:, 0], sp[:, 1], ty), "$6": _pack(sp[:, 2], sp[:, 3], ty)})
+        for out, (b_lo, b_hi), nib in (("$0", (0, 1), 0), ("$1", (2, 3), 0), ("$2", (0, 1), 1), ("$3", (2, 3), 1)):
+            lo, hi = _halves(regs[out], ty)
+            np.testing.assert_array_equal(lo, e2m1[code(2 * b_lo + nib)] * s[:, b_lo])
+            np.testing.assert_array_equal(hi, e2m1[code(2 * b_hi + nib)] * s[:, b_hi])
