@@ -31,7 +31,8 @@ instructions turn a word of 8 codes into 4 float16 pairs ((h | h >> 3) & 0x8E008
 nibbles isolated in h); for the tiles, `prmt` + masks + one `mul.bf16x2`. At decode speed an SM has
 only a few issue slots per weight (the integer ones at half rate), so this is what bounds decoding.
 Under the Triton interpreter (CPU) the same numbers come from plain Triton integer ops; GPU tests
-check that both decodes agree bit for bit.
+check that both decodes agree bit for bit, and the CPU tests also run every PTX block through a small
+warp-wide emulator of the instructions it uses (tests/test_fp4_gemm.py).
 
 Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
 `python fp4_gemm.py --bench/--tune` on an H200 (results/fp4_gemm_h200.md has the measured table):
