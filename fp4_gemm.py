@@ -580,10 +580,8 @@ if HAS_TRITON:
                 acc_in = "{$0, $1, $2, $3}"
         return "{ " + " ".join(lines) + " }"
 
-    _ASM_MMA_BF16_0: tl.constexpr = tl.constexpr(_mma_asm(False, 0))
-    _ASM_MMA_BF16_1: tl.constexpr = tl.constexpr(_mma_asm(False, 1))
-    _ASM_MMA_F16_0: tl.constexpr = tl.constexpr(_mma_asm(True, 0))
-    _ASM_MMA_F16_1: tl.constexpr = tl.constexpr(_mma_asm(True, 1))
+    # indexed by 2 * F16 + HALF inside the kernel (triton 3.6 will not pass a string as an argument)
+    _ASM_MMA: tl.constexpr = tl.constexpr(tuple(_mma_asm(f16, half) for f16 in (False, True) for half in (0, 1)))
     _MMA_CONSTRAINTS: tl.constexpr = tl.constexpr("=f,=f,=f,=f," + ",".join(["r"] * 26) + ",f,f,f,f")
 
     @triton.jit
@@ -641,20 +639,8 @@ if HAS_TRITON:
             shape: tl.constexpr = (ROW_TILES, L, 4)
             args = [qt, qb, st, sb, tl.broadcast_to(xw0, shape), tl.broadcast_to(xw1, shape),
                     tl.broadcast_to(xw2, shape), tl.broadcast_to(xw3, shape), acc]
-            if F16:
-                if HALF:
-                    acc = tl.inline_asm_elementwise(_ASM_MMA_F16_1, _MMA_CONSTRAINTS, args, dtype=tl.float32,
-                                                    is_pure=True, pack=4)
-                else:
-                    acc = tl.inline_asm_elementwise(_ASM_MMA_F16_0, _MMA_CONSTRAINTS, args, dtype=tl.float32,
-                                                    is_pure=True, pack=4)
-            else:
-                if HALF:
-                    acc = tl.inline_asm_elementwise(_ASM_MMA_BF16_1, _MMA_CONSTRAINTS, args, dtype=tl.float32,
-                                                    is_pure=True, pack=4)
-                else:
-                    acc = tl.inline_asm_elementwise(_ASM_MMA_BF16_0, _MMA_CONSTRAINTS, args, dtype=tl.float32,
-                                                    is_pure=True, pack=4)
+            acc = tl.inline_asm_elementwise(_ASM_MMA[2 * F16 + HALF], _MMA_CONSTRAINTS, args, dtype=tl.float32,
+                                            is_pure=True, pack=4)
             return acc
         return acc + _mma_half_reference(qt, qb, st, sb, xw0, xw1, xw2, xw3, HALF, NUM_WARPS, ROW_TILES, F16)
 
