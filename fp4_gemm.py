@@ -291,6 +291,18 @@ if HAS_TRITON:
         return xe, xo
 
     @triton.jit
+    def _scale_bias(acc, rows, gs_ptr, bias_ptr, GS_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """Sums of x * (W * g / 256) → outputs in fp32: times 256/g (g per tensor or per output row), plus
+        the bias. rows: output-row indices broadcastable to acc, all in range."""
+        if GS_PER_ROW:
+            acc = acc * (256.0 / tl.load(gs_ptr + rows))
+        else:
+            acc = acc * (256.0 / tl.load(gs_ptr))
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rows).to(tl.float32)
+        return acc
+
+    @triton.jit
     def _finish(acc, offs_m, offs_n, pid_k, gs_ptr, bias_ptr, y_ptr, part_ptr, M, N, stride_ym,
                 SPLIT_K: tl.constexpr, GS_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr):
         """acc (BM, BN) fp32 sums of x * (W * g / 256): scale by 256/g, add bias, store (or store the
@@ -300,13 +312,7 @@ if HAS_TRITON:
             ptrs = part_ptr + (pid_k * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
             tl.store(ptrs, acc, mask=mask)
         else:
-            rows = offs_n % N
-            if GS_PER_ROW:
-                acc = acc * (256.0 / tl.load(gs_ptr + rows))[None, :]
-            else:
-                acc = acc * (256.0 / tl.load(gs_ptr))
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + rows).to(tl.float32)[None, :]
+            acc = _scale_bias(acc, (offs_n % N)[None, :], gs_ptr, bias_ptr, GS_PER_ROW, HAS_BIAS)
             ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
             tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -457,12 +463,7 @@ if HAS_TRITON:
         acc = tl.zeros((BLOCK,), tl.float32)
         for s in tl.static_range(SPLIT_K):
             acc += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0)
-        if GS_PER_ROW:
-            acc = acc * (256.0 / tl.load(gs_ptr + n, mask=mask, other=1.0))
-        else:
-            acc = acc * (256.0 / tl.load(gs_ptr))
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
+        acc = _scale_bias(acc, n, gs_ptr, bias_ptr, GS_PER_ROW, HAS_BIAS)  # (n = offs % N is in range)
         tl.store(y_ptr + m.to(tl.int64) * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -727,12 +728,7 @@ if HAS_TRITON:
                     acc += tl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
                 tl.atomic_xchg(lock_ptr + out_tile, 0, sem="relaxed", scope="gpu")
         if last:
-            if GS_PER_ROW:
-                acc = acc * (256.0 / tl.load(gs_ptr + rows % N))
-            else:
-                acc = acc * (256.0 / tl.load(gs_ptr))
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + rows % N).to(tl.float32)
+            acc = _scale_bias(acc, rows % N, gs_ptr, bias_ptr, GS_PER_ROW, HAS_BIAS)
             tl.store(y_ptr + toks.to(tl.int64) * stride_ym + rows, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
