@@ -380,6 +380,63 @@ def _silu_mul_kernel(gu_ptr, a_ptr, b_ptr, out_ptr, M, I, A_STRIDE, R: tl.conste
 
 
 @_jit
+def _lora_a_kernel(x_ptr, a_ptr, part_ptr, out_ptr, lock_ptr, M, K, SR, stride_xm, k_split, BM: tl.constexpr,
+                   BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr,
+                   PREC: tl.constexpr):
+    """Program (column tile of a, K split s, row tile): a = x (M, K) @ A^T (SR, K) for a few rows of x,
+    split over K so that ~100 programs share A's bytes. Each program stores its fp32 partial; the last
+    one of a tile to arrive (an atomic ticket, as fp4_gemm's mma kernel) sums the SPLIT partials (one
+    load of all of them, a fixed reduction order: deterministic) and writes `a` in the model dtype. One
+    launch where cuBLAS takes two (its split-K GEMM + a reduce kernel)."""
+    pid_n = tl.program_id(0)
+    s = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    rm = rows < M
+    cm = cols < SR
+    acc = tl.zeros((BM, BN), tl.float32)
+    k_lo = s * k_split
+    for k0 in range(k_lo, tl.minimum(k_lo + k_split, K), BK):
+        k = k0 + tl.arange(0, BK)
+        km = k < K
+        xt = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+        at = tl.load(a_ptr + cols[:, None] * K + k[None, :], mask=cm[:, None] & km[None, :], other=0.0)
+        acc = tl.dot(xt, tl.trans(at), acc, input_precision=PREC)  # (BM, BN)
+    out = out_ptr + rows[:, None] * SR + cols[None, :]
+    mask = rm[:, None] & cm[None, :]
+    if SPLIT == 1:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        part = part_ptr + (rows[:, None] * SR + cols[None, :])  # (BM, BN); split s at + s·M·SR
+        tl.store(part + s * M * SR, acc, mask=mask)
+        tl.debug_barrier()  # the whole partial is written before the ticket is taken
+        tile = pid_m * tl.num_programs(0) + pid_n
+        if tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            ss = tl.arange(0, SPLIT_PAD)[:, None, None]
+            p = tl.load(part[None] + ss * M * SR, mask=(ss < SPLIT) & mask[None], other=0.0, cache_modifier=".cg")
+            tl.store(out, tl.sum(p, axis=0).to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(lock_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+def lora_a_triton(x, A, prec="tf32", bk=256):
+    """x (M <= 16, K) @ A^T (SR, K) with _lora_a_kernel: K split so a program reads ~16 KB of A (at most
+    32 splits), x in A's dtype, the result in x's."""
+    x = x.contiguous()
+    M, K = x.shape
+    SR = A.shape[0]
+    split = min(32, triton.cdiv(K, bk))
+    k_split = triton.cdiv(triton.cdiv(K, split), bk) * bk  # whole BK blocks a split
+    split = triton.cdiv(K, k_split)
+    out = torch.empty(M, SR, dtype=x.dtype, device=x.device)
+    part = torch.empty(split, M, SR, dtype=torch.float32, device=x.device) if split > 1 else out
+    _lora_a_kernel[(triton.cdiv(SR, 16), split, triton.cdiv(M, 16))](
+        x, A, part, out, fp4_gemm._locks(x.device), M, K, SR, x.stride(0), k_split, BM=16, BN=16, BK=bk,
+        SPLIT=split, SPLIT_PAD=_pow2(split), PREC=prec, num_warps=4)
+    return out
+
+
+@_jit
 def _mix32_tl(x):
     x = x ^ (x >> 16)
     x = x * 0x7FEB352D
@@ -543,14 +600,7 @@ class _Group:
             row += n
 
     def lora_a(self, x):
-        return F.linear(x, self.A) if self.R else None  # (M, sections·R)
-
-    def __call__(self, x):
-        """For the single-linear groups (o, down): base GEMM + LoRA, the B product fused with the add."""
-        y = self.gemm(x)
-        if not self.R:
-            return y
-        return torch.addmm(y, self.lora_a(x), self.B.t())
+        return F.linear(x, self.A)  # (M, sections·R)
 
 
 class _Layer:
@@ -744,6 +794,20 @@ class Decoder:
             u = u + a[:, grp.R:] @ bu.t()
         return F.silu(g) * u
 
+    def lora_a(self, grp, x):
+        """a = x @ A^T (M, sections·R) of a group's adapters, or None without LoRA. Decode batches (M <= 16)
+        take _lora_a_kernel; larger ones cuBLAS (whose tiles are then big enough)."""
+        if not grp.R:
+            return None
+        if self.triton and x.shape[0] <= 16:
+            return lora_a_triton(x, grp.A, self.prec)
+        return grp.lora_a(x)
+
+    def project(self, grp, x):
+        """A single-linear group (o, down): base GEMM + LoRA, the B product fused with the add."""
+        y = grp.gemm(x)
+        return torch.addmm(y, self.lora_a(grp, x), grp.B.t()) if grp.R else y
+
     def sample(self, logits, st, sp):
         """logits (N, V) → the step's token and logprob into st.out_*, next input st.tok, stop flags."""
         N, V = logits.shape
@@ -789,11 +853,11 @@ class Decoder:
         delta = None
         for i, L in enumerate(self.layers):
             x, h = self.add_rmsnorm(x, delta, L.ln1)
-            q = self.rope_write(L.qkv.gemm(h), L.qkv.lora_a(h), L.qkv, st, i)  # (N, Hq, D)
-            delta = L.o(self.attention(q, st, i))  # (N, H)
+            q = self.rope_write(L.qkv.gemm(h), self.lora_a(L.qkv, h), L.qkv, st, i)  # (N, Hq, D)
+            delta = self.project(L.o, self.attention(q, st, i))  # (N, H)
             x, h = self.add_rmsnorm(x, delta, L.ln2)
-            act = self.silu_mul(L.gu.gemm(h), L.gu.lora_a(h), L.gu)  # (N, I)
-            delta = L.down(act)
+            act = self.silu_mul(L.gu.gemm(h), self.lora_a(L.gu, h), L.gu)  # (N, I)
+            delta = self.project(L.down, act)
         _, h = self.add_rmsnorm(x, delta, m.norm)
         self.sample(m.lm_head(h), st, sp)
         st.counters.add_(1)

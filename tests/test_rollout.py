@@ -186,6 +186,22 @@ def test_samples_share_the_prompt_prefill(hf_folder):
     assert r.tokens.shape[0] == 15 and seen[1:] == [(15,)] * 3  # then one decode step of all rows per token
 
 
+@interpreted
+@pytest.mark.parametrize("M,K,SR", [(1, 272, 16), (3, 1000, 48), (16, 48, 40), (17, 300, 16)])
+def test_lora_a_kernel_against_float64(M, K, SR):
+    """The decode LoRA-A kernel (split K, the last program of a tile sums the partials) at odd shapes:
+    rows past M, columns past SR, a K tail, one split (K = 48) and several; the ticket
+    counters back at zero and a second call bit-identical (deterministic order)."""
+    g = torch.Generator().manual_seed(M * K + SR)
+    x, A = torch.randn(M, K, generator=g), torch.randn(SR, K, generator=g)
+    locks = rollout.fp4_gemm._locks(x.device)
+    got = rollout.lora_a_triton(x, A, prec="ieee")
+    ref = x.double() @ A.double().t()
+    assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-4)
+    assert torch.equal(rollout.lora_a_triton(x, A, prec="ieee"), got)
+    assert not locks.any()
+
+
 def test_sampler_draws_from_the_softmax():
     """Gumbel-max with the hash RNG: empirical frequencies match softmax(z / T), and top-k / top-p
     renormalize inside their sets."""
