@@ -29,7 +29,7 @@ pair of codes is shifted to the top of the two 16-bit halves, masked and shifted
 (3 integer instructions), then one `mul.bf16x2` by the block scale; for the GEMV, 13 integer
 instructions turn a word of 8 codes into 4 float16 pairs ((h | h >> 3) & 0x8E008E00 with the high
 nibbles isolated in h); for the tiles, `prmt` + masks + one `mul.bf16x2`. At decode speed an SM has
-only a few issue slots per weight (the integer ones at half rate), so this is what bounds decoding.
+only a few issue slots per weight (the integer ones at half rate), so the decode must stay short.
 Under the Triton interpreter (CPU) the same numbers come from plain Triton integer ops; GPU tests
 check that both decodes agree bit for bit, and the CPU tests also run every PTX block through a small
 warp-wide emulator of the instructions it uses (tests/test_fp4_gemm.py).
@@ -47,10 +47,11 @@ Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
   plain-Triton model of the PTX block (the exchange between lanes written as reshapes), and a GPU
   test checks the two agree. Split-K programs leave fp32 partials and the last one to finish a
   tile (an atomic ticket) sums them in order: deterministic, and no second launch. 1.6-2.4x cuBLAS
-  bf16 at M = 1 (gate/up 2.25 TB/s), 1.2-1.6x at M = 8. What bounds it (by Nsight Compute's counters
-  and the SASS): at M = 1 the integer decode (~3 ALU instructions per 2 weights), at M = 8 the L1
-  traffic of x (each lane reads 16-byte pieces of x 128 bytes apart); a Marlin-style repacking of the
-  stored codes would cut both.
+  bf16 at M = 1 (gate/up 2.25 TB/s), 1.2-1.6x at M = 8. What bounds it (Nsight Compute, and the
+  experiments in results/fp4_gemm_h200.md): at M = 1 latency with too few warps in flight (a repacked
+  layout that cut the decode's ALU instructions by ~40% did not change the time), at M = 8 the L1
+  traffic of x (each lane reads 16-byte pieces of x 128 bytes apart; the repacked layout made those
+  reads contiguous and ran up to 1.4x faster, but every other kernel would have to read it too).
 - gemv (M = 1 with fp32 x): a program owns 8 weight rows and walks K in steps of 512 with 16-byte
   loads of packed codes, multiply-adding in fp32; optional split-K with a reduce kernel.
 - tiled (2 <= M <= 128 where mma does not serve): fused dequantize + tl.dot tiles (BM = 16 or 64),

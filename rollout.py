@@ -30,22 +30,24 @@ has finished). The step per layer, with the launches it costs:
 
     h       = add_rmsnorm(x, delta, w1)              1   residual add + RMSNorm (Triton)
     qkv     = fused q|k|v GEMM (+ bias)              1   QuantLinear.concat, or one cat'ed bf16 weight
-    a       = h @ [A_q; A_k; A_v]^T                  2   the three LoRA A's side by side (cuBLAS: split-K
-                                                         GEMM + reduce)
+    a       = h @ [A_q; A_k; A_v]^T                  1   the three LoRA A's side by side (_lora_a_kernel:
+                                                         split K, the last program sums the partials)
     q, k, v = rope_write(qkv + a·B^T)                1   LoRA B, rotary embedding, K/V into the cache
     o       = attention(q, cache) (split + combine)  2
-    delta   = o_proj(o) + (o @ A_o^T) @ B_o^T         4   base GEMM, LoRA A (2), LoRA B fused with the add
+    delta   = o_proj(o) + (o @ A_o^T) @ B_o^T         3   base GEMM, LoRA A, LoRA B fused with the add (addmm)
     h       = add_rmsnorm(x, delta, w2)              1
     gu      = fused gate|up GEMM                     1
-    a       = h @ [A_g; A_u]^T                       2
+    a       = h @ [A_g; A_u]^T                       1
     act     = silu_mul(gu + a·B^T)                   1   LoRA B, SiLU, product
-    delta   = down(act) + LoRA                       4
+    delta   = down(act) + LoRA                       3
 
-so 20 launches a layer (566 a step for Qwen2.5-7B, counted by the profiler). LoRA stays unmerged (the adapters change every RL step; merging would mean
-re-quantizing the base): its A's and B's are copied at the start of every generate() call, in the
-model's dtype and with alpha/r folded into B, into buffers the graph reads. AQN (aqn.py) perturbs the
-RMSNorm weights in place; the step reads those weights where they live, so the noise is active in
-the graph too. The base GEMMs are fp4_gemm's kernels (or cuBLAS for a bf16 base), unchanged.
+so 16 launches a layer (454 a step for Qwen2.5-7B, counted by the profiler; above 16 rows the LoRA-A
+products go to cuBLAS, whose tiles are then big enough). LoRA stays unmerged (the adapters change
+every RL step; merging would mean re-quantizing the base): its A's and B's are copied at the start
+of every generate() call, in the model's dtype and with alpha/r folded into B, into buffers the graph
+reads. AQN (aqn.py) perturbs the RMSNorm weights in place; the step reads those weights where they
+live, so the noise is active in the graph too. The base GEMMs are fp4_gemm's kernels (or cuBLAS for a
+bf16 base), unchanged.
 
 Sampling, inside the graph. With z = logits / T (float32):
 
@@ -71,15 +73,14 @@ fused op below has its torch reference next to its kernel, and the tests run bot
 through Triton's interpreter).
 
 Measured (H200, Qwen2.5-7B shape, NVFP4 + LoRA r32 + AQN, results/rollout_h200.md): batch 1 runs
-at 3.75 ms a step against a 1.16 ms floor. Of its 3.42 ms of kernel time, fp4_gemm's GEMMs take 1.86
-(3.67 GB at 1.97 TB/s, the tensor-core `mma` kernel), cuBLAS 1.08 (lm_head ~0.25, the 112 small
-LoRA-A GEMMs + their 112 split-K reduces and the 56 LoRA-B addmm the rest), this file's kernels 0.48;
-gaps between the 566 graphed launches 0.33. Without the graph a step costs ~70 ms (Python and launch
-overhead; session 1's measurement). What remains, in order: LoRA, whose A products are bytes worth ~40 µs a step but
-cost ~0.85 ms as 280 cuBLAS launches (a split-K Triton kernel with partials summed by the consumers
-was tried and was slower overall, see results/; the next try is the A product as extra rows of the
-fp4 kernel's grid and the B product in its epilogue), and an fp4 kernel for 16-64 rows (batch 64 is
-slower in NVFP4 than in bf16).
+at 3.42 ms a step against a 1.16 ms floor. Of its 3.19 ms of kernel time, fp4_gemm's GEMMs take 1.86
+(3.67 GB at 1.97 TB/s, the tensor-core `mma` kernel), the 112 LoRA-A launches 0.47, cuBLAS 0.39
+(lm_head ~0.25 and the 56 LoRA-B addmm), this file's other kernels 0.48; gaps between the 454
+graphed launches 0.23. Without the graph a step costs ~70 ms (Python and launch overhead; session
+1's measurement). The LoRA-A kernel replaced cuBLAS's split-K GEMM + reduce pair (6.4-7.4 µs a
+product at batch 1, 4.2-6.2 µs now; the step went from 3.75 to 3.42 ms). What remains, in order: the
+fp4 GEMMs at ~2 TB/s instead of ~4 (bounded by the decode's issue slots, see fp4_gemm.py), and an fp4
+kernel for 16-64 rows (batch 64 is slower in NVFP4 than in bf16).
 
 Departures. vLLM (which the official QeRL code uses) pages its KV cache and batches continuously;
 here a batch is static and every row shares the cache's column index (left padding), which keeps the
