@@ -48,21 +48,22 @@ Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
   test checks the two agree. Split-K programs leave fp32 partials and the last one to finish a
   tile (an atomic ticket) sums them in order: deterministic, and no second launch. 1.6-2.4x cuBLAS
   bf16 at M = 1 (gate/up 2.25 TB/s), 1.2-1.6x at M = 8. What bounds it (Nsight Compute, and the
-  experiments in results/fp4_gemm_h200.md): at M = 1 latency with too few warps in flight (a repacked
-  layout that cut the decode's ALU instructions by ~40% did not change the time), at M = 8 the L1
-  traffic of x (each lane reads 16-byte pieces of x 128 bytes apart; the repacked layout made those
-  reads contiguous and ran up to 1.4x faster, but every other kernel would have to read it too).
+  experiments in results/fp4_gemm_h200.md): at M = 1 a mix of memory latency with few warps in flight
+  and a busy ALU pipe (~70%; a repacked layout with a quarter fewer ALU instructions did not change
+  the time, nor did prefetching), at M = 8 the L1 traffic of x (each lane reads 16-byte pieces of x
+  128 bytes apart; the repacked layout made those reads contiguous and ran up to 1.4x faster, but
+  every other kernel would have to read it too).
 - gemv (M = 1 with fp32 x): a program owns 8 weight rows and walks K in steps of 512 with 16-byte
   loads of packed codes, multiply-adding in fp32; optional split-K with a reduce kernel.
-- tiled (2 <= M <= 128 where mma does not serve): fused dequantize + tl.dot tiles (BM = 16 or 64),
-  grouped tile order so a weight tile is read from HBM once, split-K where the tiles are few. 0.9-1.5x
-  cuBLAS at M = 16, 0.5-0.75x at M = 64: the decode and the layout shuffle Triton adds before the
-  MMA cost more issue slots than the bytes saved.
+- tiled (2 <= M <= 128 where mma does not serve): fused dequantize + tl.dot tiles (BM = 16, 32 or 64),
+  grouped tile order so a weight tile is read from HBM once, split-K (up to 8) where the tiles are
+  few. 0.9-1.5x cuBLAS at M = 16, 0.7-0.86x at M = 64: the decode and the layout shuffle Triton adds
+  before the MMA cost more issue slots than the bytes saved.
 - dequant + cuBLAS (M > 128, fp32 inputs): a Triton kernel writes this one layer's weight in x's
   dtype, bit-identical to nvfp4.dequantize (same float32 arithmetic), and cuBLAS multiplies; the copy
-  dies right after. 0.73-0.81x cuBLAS at M = 1024, 0.84-0.90x at M = 4096: the cost is writing and
-  re-reading the bf16 weight (~100 us for gate/up).
-- dX backward (dY @ W): dequant + cuBLAS for M > 128 (0.85-0.97x at M = 4096), the tiled kernel
+  dies right after. 0.73-0.81x cuBLAS at M = 1024, 0.75-0.93x at M = 4096 (the spread of three
+  runs): the cost is writing and re-reading the bf16 weight (~100 us for gate/up).
+- dX backward (dY @ W): dequant + cuBLAS for M > 128 (0.82-0.97x at M = 4096), the tiled kernel
   transposed (same tile decoder) below. Either way at most one layer's dequantized weight is alive,
   never a bf16 copy of the model.
 
@@ -788,13 +789,20 @@ def plan_forward(M, N, K, dtype, device, mma=True):
     if kernel == "gemv":  # 8 rows a program; split K in two when that still leaves few programs
         return dict(kernel="gemv", BLOCK_N=8, BLOCK_K=512, SPLIT_K=2 if triton.cdiv(N, 8) < 500 else 1,
                     num_warps=4, num_stages=1)
-    if M <= 32:
+    if M <= 16:
         if K >= 8192:  # down_proj: few output tiles, long K
             cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT_K=4, num_warps=4, num_stages=4)
         elif N >= 16384:  # gate/up: enough tiles already
             cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=2, num_warps=4, num_stages=3)
         else:  # q/k/v, o
             cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=4)
+    elif M <= 64:  # 32 or 64 rows a tile; few output tiles, so split K deeply (session 3's sweep)
+        bm = 32 if M <= 32 else 64
+        if N >= 16384:  # gate/up
+            cfg = dict(BLOCK_N=128, SPLIT_K=4) if bm == 32 else dict(BLOCK_N=64, SPLIT_K=2)
+        else:  # q/k/v and down: wide tiles; o: narrow
+            cfg = dict(BLOCK_N=128 if N > 4096 or K >= 8192 else 64, SPLIT_K=8)
+        cfg.update(BLOCK_M=bm, BLOCK_K=128, num_warps=4, num_stages=3)
     elif N >= 16384:
         cfg = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=4)
     else:
@@ -1202,6 +1210,12 @@ def _candidates(M, N, K, direction):
             for split in (1, 2, 4):
                 if split == 1 or triton.cdiv(N, bn) * split <= 1800:
                     c.append(dict(kernel="gemv", BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=w, num_stages=1))
+    if 16 < M <= 64:
+        for bm in (32, 64) if M <= 32 else (64,):
+            for bn in (32, 64, 128):
+                for split in (1, 2, 4, 8):
+                    c.append(dict(kernel="tiled", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8, SPLIT_K=split,
+                                  num_warps=4, num_stages=3))
     if 1 < M <= 32:
         for bn, bk, st, splits in ((32, 256, 4, (1, 4)), (64, 256, 3, (1, 2)), (64, 128, 4, (1, 2, 4)),
                                    (128, 128, 4, (4,))):

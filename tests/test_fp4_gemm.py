@@ -139,6 +139,8 @@ def test_triton_forward(kernel, case, poisoned):
     ("gemv", dict(kernel="gemv", BLOCK_N=16, BLOCK_K=32, SPLIT_K=3)),
     ("tiled", dict(kernel="tiled", BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=2, SPLIT_K=4)),
     ("tiled", dict(kernel="tiled", BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=1, SPLIT_K=2)),
+    # a deep split as the GPU plans for 17-64 rows use: 8 asked, 5 left after rounding to whole K blocks
+    ("tiled", dict(kernel="tiled", BLOCK_M=32, BLOCK_N=16, BLOCK_K=32, GROUP_M=8, SPLIT_K=8)),
 ])
 def test_split_k(kernel, plan, poisoned):
     """Split-K: fp32 partials in a workspace (poisoned too) summed by the reduce kernel (the mma kernel:
