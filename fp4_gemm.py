@@ -847,9 +847,10 @@ _lock_buffers = {}
 
 
 def _locks(device):
-    """The mma kernel's split-K tickets: one int32 counter per output tile, zero between calls (the last
-    program of a tile resets it). Allocated once per device, so CUDA graphs can keep its address.
-    Kernels on two streams at once would share the counters: run fp4 GEMMs on one stream."""
+    """Split-K tickets for the mma kernel (and rollout's LoRA-A kernel): one int32 counter per output
+    tile, zero between calls (the last program of a tile resets it). Allocated once per device, so CUDA
+    graphs can keep its address. Kernels on two streams at once would share the counters: run these
+    kernels on one stream."""
     if device not in _lock_buffers:
         _lock_buffers[device] = torch.zeros(_LOCKS, dtype=torch.int32, device=device)
     return _lock_buffers[device]

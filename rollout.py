@@ -79,8 +79,8 @@ at 3.42 ms a step against a 1.16 ms floor. Of its 3.19 ms of kernel time, fp4_ge
 graphed launches 0.23. Without the graph a step costs ~70 ms (Python and launch overhead; session
 1's measurement). The LoRA-A kernel replaced cuBLAS's split-K GEMM + reduce pair (6.4-7.4 µs a
 product at batch 1, 4.2-6.2 µs now; the step went from 3.75 to 3.42 ms). What remains, in order: the
-fp4 GEMMs at ~2 TB/s instead of ~4 (bounded by the decode's issue slots, see fp4_gemm.py), and an fp4
-kernel for 16-64 rows (batch 64 is slower in NVFP4 than in bf16).
+fp4 GEMMs at ~2 TB/s instead of ~4 (memory latency and a busy ALU pipe, see fp4_gemm.py), and an fp4
+kernel for 16-64 rows (batch 64 is 0.85x bf16's speed in NVFP4).
 
 Departures. vLLM (which the official QeRL code uses) pages its KV cache and batches continuously;
 here a batch is static and every row shares the cache's column index (left padding), which keeps the
@@ -385,7 +385,7 @@ def _lora_a_kernel(x_ptr, a_ptr, part_ptr, out_ptr, lock_ptr, M, K, SR, stride_x
                    BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr,
                    PREC: tl.constexpr):
     """Program (column tile of a, K split s, row tile): a = x (M, K) @ A^T (SR, K) for a few rows of x,
-    split over K so that ~100 programs share A's bytes. Each program stores its fp32 partial; the last
+    split over K so that tens of programs share A's bytes. Each program stores its fp32 partial; the last
     one of a tile to arrive (an atomic ticket, as fp4_gemm's mma kernel) sums the SPLIT partials (one
     load of all of them, a fixed reduction order: deterministic) and writes `a` in the model dtype. One
     launch where cuBLAS takes two (its split-K GEMM + a reduce kernel)."""
@@ -421,8 +421,9 @@ def _lora_a_kernel(x_ptr, a_ptr, part_ptr, out_ptr, lock_ptr, M, K, SR, stride_x
 
 
 def lora_a_triton(x, A, prec="tf32", bk=256):
-    """x (M <= 16, K) @ A^T (SR, K) with _lora_a_kernel: K split so a program reads ~16 KB of A (at most
-    32 splits), x in A's dtype, the result in x's."""
+    """x (M, K) @ A^T (SR, K) with _lora_a_kernel, for decode batches (M <= 16: one row tile): K split
+    in whole blocks of 256 (at most 32 splits), so a program reads 16 rows of A over 256-768 k on the
+    Qwen2.5 shapes. x and A share a dtype, as does the result."""
     x = x.contiguous()
     M, K = x.shape
     SR = A.shape[0]
