@@ -106,7 +106,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fp4_gemm  # imported before triton: on a CPU-only machine it switches Triton's interpreter on
-from model import Transformer, load_tokenizer, qwen25_config
+import lora
+from model import Transformer, load_tokenizer, qwen25_config, rotate_half
 
 try:
     import triton
@@ -528,10 +529,6 @@ def _sample_final_kernel(logits_ptr, V, inv_t, pm_ptr, ps_ptr, pbest_ptr, pidx_p
 # The decode plan: per layer, the model's linears regrouped by shared input
 # ---------------------------------------------------------------------------------------------
 
-def _is_lora(m):
-    return all(hasattr(m, a) for a in ("base", "lora_A", "lora_B", "scaling"))
-
-
 def _pow2(x):
     return 1 << max(0, math.ceil(math.log2(max(1, x))))
 
@@ -543,11 +540,11 @@ class _Group:
     to a common rank R ≥ 16, a power of two, for tl.dot)."""
 
     def __init__(self, mods, dtype):
-        self.loras = [m if _is_lora(m) else None for m in mods]
-        bases = [m.base if _is_lora(m) else m for m in mods]
+        self.loras = [m if isinstance(m, lora.LoRALinear) else None for m in mods]
+        bases = [m.base if isinstance(m, lora.LoRALinear) else m for m in mods]
         self.sizes = [b.out_features for b in bases]
         self.gemm = self._fuse(bases)
-        ranks = [l.lora_A.weight.shape[0] for l in self.loras if l is not None]
+        ranks = [l.rank for l in self.loras if l is not None]
         self.R = max(16, _pow2(max(ranks))) if ranks else 0
         if self.R:
             dev = bases[0].weight_packed.device if hasattr(bases[0], "weight_packed") else next(bases[0].parameters()).device
@@ -595,14 +592,11 @@ class _Group:
         self.B.zero_()
         row = 0
         for s, (lo, n) in enumerate(zip(self.loras, self.sizes)):
-            if lo is not None and not getattr(lo, "disabled", False):
-                r = lo.lora_A.weight.shape[0]
+            if lo is not None and not lo.disabled:
+                r = lo.rank
                 self.A[s * self.R: s * self.R + r].copy_(lo.lora_A.weight)
                 self.B[row: row + n, :r].copy_(lo.lora_B.weight * lo.scaling)
             row += n
-
-    def lora_a(self, x):
-        return F.linear(x, self.A)  # (M, sections·R)
 
 
 class _Layer:
@@ -696,6 +690,7 @@ class Decoder:
         if kernels not in ("auto", "triton", "torch") or graphs not in ("auto", True, False):
             raise ValueError(f"kernels must be auto|triton|torch and graphs auto|True|False, got {kernels!r}, {graphs!r}")
         self.model, self.cfg = model, model.config
+        self.opts = (kernels, graphs)
         self.device, self.dtype = model.device, model.dtype
         if kernels == "triton" and triton is None:
             raise RuntimeError("kernels='triton' but triton is not installed")
@@ -729,8 +724,20 @@ class Decoder:
             x = x + delta
         return x, norm(x)
 
-    def rope_write(self, qkv, a, grp, st, layer):
-        """qkv (M, (Hq+2Hkv)·D) + LoRA → q (M, Hq, D) rotated; k (rotated) and v stored at the current column."""
+    def step_terms(self, st):
+        """What the torch path's layers share within a step, computed once: the rotary cos / sin at each
+        row's position (M, 1, D) and the attention mask over the cache columns (M, S). Eagerly the host
+        knows the length; inside a graph the mask must cover the whole cache."""
+        pos = st.counters[0] - st.pad  # (M,)
+        cos = torch.cat([st.cos[pos], st.cos[pos]], -1)[:, None]  # (M, 1, D)
+        sin = torch.cat([st.sin[pos], st.sin[pos]], -1)[:, None]
+        kpos = torch.arange(st.host_col + 1 if st.host_col is not None else st.S, device=pos.device)
+        valid = (kpos[None] >= st.pad[:, None]) & (kpos[None] <= st.counters[0])  # (M, S)
+        return cos, sin, valid
+
+    def rope_write(self, qkv, a, grp, st, layer, terms):
+        """qkv (M, (Hq+2Hkv)·D) + LoRA → q (M, Hq, D) rotated; k (rotated) and v stored at the current column.
+        terms: step_terms(st) on the torch path (None with the kernels)."""
         cfg = self.cfg
         M, Hq, Hkv, D = qkv.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         if self.triton:
@@ -746,18 +753,16 @@ class Decoder:
                                for s, b in enumerate(grp.B.split(grp.sizes))], -1)
             qkv = qkv + delta
         q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], -1)
-        pos = st.counters[0] - st.pad  # (M,)
-        cos = torch.cat([st.cos[pos], st.cos[pos]], -1)[:, None]  # (M, 1, D)
-        sin = torch.cat([st.sin[pos], st.sin[pos]], -1)[:, None]
+        cos, sin, _ = terms
         q, k = q.reshape(M, Hq, D), k.reshape(M, Hkv, D)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
         col = st.counters[:1]
         st.k[layer].index_copy_(2, col, k[:, :, None])
         st.v[layer].index_copy_(2, col, v.reshape(M, Hkv, 1, D))
         return q
 
-    def attention(self, q, st, layer):
+    def attention(self, q, st, layer, terms):
         """q (M, Hq, D) against this layer's cache columns [pad_b, col] → (M, Hq·D)."""
         M, Hq, D = q.shape
         Hkv = self.cfg.num_kv_heads
@@ -771,10 +776,8 @@ class Decoder:
             _attn_combine_kernel[(M * Hq,)](st.attn_m, st.attn_l, st.attn_acc, out, st.attn_split,
                                             NS_PAD=_pow2(st.attn_split), D=D, num_warps=4)
             return out
-        # Eagerly the host knows the length; inside a graph the torch path must read the whole cache.
-        S = st.host_col + 1 if st.host_col is not None else st.S
-        kpos = torch.arange(S, device=q.device)
-        valid = (kpos[None] >= st.pad[:, None]) & (kpos[None] <= st.counters[0])  # (M, S)
+        valid = terms[2]  # (M, S)
+        S = valid.shape[1]
         out = F.scaled_dot_product_attention(q[:, :, None], st.k[layer, :, :, :S], st.v[layer, :, :, :S],
                                              attn_mask=valid[:, None, None], enable_gqa=True)  # (M, Hq, 1, D)
         return out.reshape(M, Hq * D)
@@ -803,7 +806,7 @@ class Decoder:
             return None
         if self.triton and x.shape[0] <= 16:
             return lora_a_triton(x, grp.A, self.prec)
-        return grp.lora_a(x)
+        return F.linear(x, grp.A)  # (M, sections·R)
 
     def project(self, grp, x):
         """A single-linear group (o, down): base GEMM + LoRA, the B product fused with the add."""
@@ -815,9 +818,9 @@ class Decoder:
         N, V = logits.shape
         greedy = sp.temperature == 0
         inv_t = 1.0 if greedy else 1.0 / sp.temperature
-        trunc = not greedy and (sp.top_p < 1.0 or sp.top_k > 0)
-        thr = truncation_threshold(logits.float() * inv_t, sp.top_p, sp.top_k) if trunc else None
         if self.triton:
+            trunc = not greedy and (sp.top_p < 1.0 or sp.top_k > 0)
+            thr = truncation_threshold(logits.float() * inv_t, sp.top_p, sp.top_k) if trunc else None
             logits = logits.contiguous()
             _sample_partial_kernel[(N, st.v_split)](
                 logits, V, inv_t, thr if trunc else st.sm_m, st.rowkey, st.counters, st.sm_m, st.sm_s, st.sm_best,
@@ -827,13 +830,7 @@ class Decoder:
                 st.stopped, st.lengths, st.stops, sp.pad_id, st.tok, st.out_tok, st.out_lp, st.S,
                 NS_PAD=_pow2(st.v_split), NSTOP=st.stops.numel(), num_warps=1)
             return
-        z = logits.float() * inv_t  # (N, V)
-        lse = torch.logsumexp(z, -1)
-        cand = z if greedy else z + gumbel_noise(st.rowkey, st.counters[1], V)
-        if trunc:
-            cand = torch.where(z >= thr[:, None], cand, float("-inf"))
-        tok = cand.argmax(-1)
-        lp = z.gather(1, tok[:, None])[:, 0] - lse
+        tok, lp = sample_reference(logits, st.rowkey, st.counters[1], sp.temperature, sp.top_p, sp.top_k)
         done = st.done.bool()
         hit = (tok[:, None] == st.stops[None]).any(-1)
         tok = torch.where(done, sp.pad_id, tok)
@@ -853,10 +850,11 @@ class Decoder:
         m = self.model
         x = m.embed_tokens(st.tok)  # (N, H)
         delta = None
+        terms = None if self.triton else self.step_terms(st)
         for i, L in enumerate(self.layers):
             x, h = self.add_rmsnorm(x, delta, L.ln1)
-            q = self.rope_write(L.qkv.gemm(h), self.lora_a(L.qkv, h), L.qkv, st, i)  # (N, Hq, D)
-            delta = self.project(L.o, self.attention(q, st, i))  # (N, H)
+            q = self.rope_write(L.qkv.gemm(h), self.lora_a(L.qkv, h), L.qkv, st, i, terms)  # (N, Hq, D)
+            delta = self.project(L.o, self.attention(q, st, i, terms))  # (N, H)
             x, h = self.add_rmsnorm(x, delta, L.ln2)
             act = self.silu_mul(L.gu.gemm(h), self.lora_a(L.gu, h), L.gu)  # (N, I)
             delta = self.project(L.down, act)
@@ -987,11 +985,6 @@ class Decoder:
                        prompt_index=torch.arange(P, device=dev).repeat_interleave(n), stats=stats)
 
 
-def _rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
 def _fingerprint(model):
     """Addresses of every base tensor the decoder depends on: if any moved (weights reloaded, the
     model moved, a norm weight replaced instead of updated in place), the decoder is rebuilt."""
@@ -1005,7 +998,6 @@ def _decoder(model, kernels, graphs):
             or dec.device != model.device or dec.dtype != model.dtype:
         release(model)
         dec = Decoder(model, kernels, graphs)
-        dec.opts = (kernels, graphs)
         model.__dict__["_rollout_decoder"] = dec
     return dec
 
@@ -1052,8 +1044,6 @@ def generate(model, prompts, *, n=1, max_new_tokens=256, temperature=1.0, top_p=
 def _add_lora(model, rank, seed=0):
     """LoRA rank `rank` on all seven projections, with nonzero B (B = 0 would still cost the same, but
     a nonzero adapter proves the step really adds it)."""
-    import lora
-
     lora.apply_lora(model, rank=rank, alpha=2 * rank, dtype=torch.float32)
     gen = torch.Generator(device=model.device).manual_seed(seed)
     with torch.no_grad():
@@ -1106,7 +1096,7 @@ def _check(model):
                          f"mean {first.mean():.2e}, later tokens mean {rest.mean():.2e} max {rest.max():.2e}")
     att = model.layers[0].self_attn
     mods = [getattr(att, n) for n in ("q_proj", "k_proj", "v_proj")]
-    bases = [m.base if _is_lora(m) else m for m in mods]
+    bases = [m.base if isinstance(m, lora.LoRALinear) else m for m in mods]
     if all(isinstance(b, fp4_gemm.QuantLinear) for b in bases):
         fused = fp4_gemm.QuantLinear.concat(bases)
         w = torch.cat([b.dequantized_weight(torch.float32) for b in bases])  # (N, K)
@@ -1193,11 +1183,12 @@ def bench(args):
         model = Transformer.from_random(qwen25_config(size), torch.bfloat16, dev, quantize=quant == "nvfp4", seed=0)
         _add_lora(model, args.rank)
         torch.cuda.synchronize()
-        floor = _step_bytes(model) / 4.24e12 * 1e3
+        step_gb = _step_bytes(model) / 1e9
+        floor = step_gb / 4.24  # ms: GB / (TB/s)
         print(f"# built {size} {quant} + LoRA in {time.perf_counter() - t0:.1f} s, "
-              f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB; a step reads >= {_step_bytes(model) / 1e9:.2f} GB "
+              f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB; a step reads >= {step_gb:.2f} GB "
               f"of weights: floor {floor:.2f} ms at 4.24 TB/s", flush=True)
-        notes.append(f"{size} {quant}: weights read per step {_step_bytes(model) / 1e9:.2f} GB, floor {floor:.2f} ms/step")
+        notes.append(f"{size} {quant}: weights read per step {step_gb:.2f} GB, floor {floor:.2f} ms/step")
         runs = [(b, {}) for b in (args.batches if size == "7b" else [1])]
         if args.variants and (size, quant) == ("7b", "nvfp4"):
             runs += [(1, dict(graphs=False)), (1, dict(kernels="torch")), (64, dict(kernels="torch"))]
