@@ -75,7 +75,8 @@ autotuning at run time). Compile (warm up) each shape once before capturing a gr
 Paths: Triton on CUDA tensors, the torch path (dequantize + matmul) on CPU, chosen automatically.
 `set_backend("torch" | "triton" | "auto", kernel=None)` or the `backend(...)` context manager, or the
 environment variable QERL_FP4_BACKEND, force one; with "triton" on CPU tensors the kernels run in
-Triton's interpreter (that is how the tests check them). `kernel` pins "gemv", "tiled" or "dequant".
+Triton's interpreter (that is how the tests check them). `kernel` pins "mma", "gemv", "tiled" or
+"dequant".
 
 Departures from the official QeRL code: it runs rollouts on vLLM's Marlin FP4 kernel and trains by
 dequantizing the whole weight on every forward in HF; here one set of kernels serves both, the
@@ -121,7 +122,7 @@ _choice = {"backend": os.environ.get("QERL_FP4_BACKEND", "auto"), "kernel": None
 def set_backend(name="auto", kernel=None):
     """"auto": Triton on CUDA tensors, torch elsewhere. "triton": always Triton (on CPU tensors through
     the interpreter, slow: for tests). "torch": dequantize + matmul. `kernel` pins the Triton kernel
-    ("gemv", "tiled", "dequant") instead of the per-shape table; None uses the table."""
+    ("mma", "gemv", "tiled", "dequant") instead of the per-shape table; None uses the table."""
     if name not in BACKENDS or kernel not in KERNELS:
         raise ValueError(f"backend must be one of {BACKENDS} and kernel one of {KERNELS}, got {name!r}, {kernel!r}")
     _choice["backend"], _choice["kernel"] = name, kernel
@@ -265,8 +266,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _x_pairs(x_rows, k0, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, X16: tl.constexpr,
-                 X_IS_BF16: tl.constexpr, DTYPE: tl.constexpr):
-        """x[:, k0 + 2j] and x[:, k0 + 2j + 1] in DTYPE, each (BM, BLOCK_K/2). For 16-bit x one 32-bit
+                 X_IS_BF16: tl.constexpr):
+        """x[:, k0 + 2j] and x[:, k0 + 2j + 1] in fp32, each (BM, BLOCK_K/2). For 16-bit x one 32-bit
         load fetches a pair, so the loads stay wide and the split is two bit operations."""
         kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         if X16:
@@ -275,21 +276,18 @@ if HAS_TRITON:
                 xw = tl.load(ptrs)  # (BM, BK/2), x[2j] in the low half
             else:
                 xw = tl.load(ptrs, mask=kb[None, :] < K // 2, other=0)
-            if DTYPE == tl.float32 and X_IS_BF16:  # bf16 → fp32 is a 16-bit shift
-                xe = (xw << 16).to(tl.float32, bitcast=True)
-                xo = (xw & 0xFFFF0000).to(tl.float32, bitcast=True)
+            if X_IS_BF16:  # bf16 → fp32 is a 16-bit shift
+                xe, xo = _lo_f32(xw), _hi_f32(xw)
             else:
-                src: tl.constexpr = tl.bfloat16 if X_IS_BF16 else tl.float16
-                xe = (xw & 0xFFFF).to(tl.uint16).to(src, bitcast=True).to(DTYPE)
-                xo = (xw >> 16).to(tl.uint16).to(src, bitcast=True).to(DTYPE)
+                xe, xo = _f16lo(xw), _f16hi(xw)
         else:
             ke = k0 + 2 * tl.arange(0, BLOCK_K // 2)
             if EVEN_K:
-                xe = tl.load(x_rows + ke[None, :]).to(DTYPE)
-                xo = tl.load(x_rows + ke[None, :] + 1).to(DTYPE)
+                xe = tl.load(x_rows + ke[None, :]).to(tl.float32)
+                xo = tl.load(x_rows + ke[None, :] + 1).to(tl.float32)
             else:
-                xe = tl.load(x_rows + ke[None, :], mask=ke[None, :] < K, other=0.0).to(DTYPE)
-                xo = tl.load(x_rows + ke[None, :] + 1, mask=ke[None, :] < K, other=0.0).to(DTYPE)
+                xe = tl.load(x_rows + ke[None, :], mask=ke[None, :] < K, other=0.0).to(tl.float32)
+                xo = tl.load(x_rows + ke[None, :] + 1, mask=ke[None, :] < K, other=0.0).to(tl.float32)
         return xe, xo
 
     @triton.jit
@@ -408,7 +406,7 @@ if HAS_TRITON:
             for k0 in range(k_lo, k_lo + k_split, BLOCK_K):
                 lo, hi = _w_pairs(wp_ptr, ws_ptr, stride_wn, stride_sn, rows, k0, K, BLOCK_N, BLOCK_K, EVEN_K,
                                   False, tl.float32)  # (BN, BK/2) each
-                xe, xo = _x_pairs(x_rows, k0, K, BLOCK_K, EVEN_K, X16, X_IS_BF16, tl.float32)  # (1, BK/2) each
+                xe, xo = _x_pairs(x_rows, k0, K, BLOCK_K, EVEN_K, X16, X_IS_BF16)  # (1, BK/2) each
                 acc_e += lo * xe
                 acc_o += hi * xo
             out = tl.sum(acc_e + acc_o, axis=1)[None, :]  # (1, BN)
@@ -856,11 +854,29 @@ def _locks(device):
     return _lock_buffers[device]
 
 
+def _pairs_aligned(x2):
+    """16-bit x can be read as 32-bit pairs (x[2j], x[2j+1]): 4-byte aligned rows."""
+    return x2.dtype in (torch.bfloat16, torch.float16) and x2.data_ptr() % 4 == 0 and x2.stride(0) % 2 == 0
+
+
+def _words_aligned(packed):
+    """The packed codes can be read as 32-bit words (8 codes each)."""
+    return packed.data_ptr() % 4 == 0 and packed.stride(0) % 4 == 0
+
+
 def _mma_fits(x2, packed):
-    """The mma kernel reads 16-bit x as 32-bit pairs and the codes as 32-bit words (16-byte vectors when
-    Triton sees 16-byte alignment), a lane's 64 k at a time."""
-    return (x2.dtype in (torch.bfloat16, torch.float16) and x2.shape[1] % 64 == 0 and x2.stride(0) % 2 == 0
-            and x2.data_ptr() % 4 == 0 and packed.data_ptr() % 4 == 0 and packed.stride(0) % 4 == 0)
+    """The mma kernel reads x as 32-bit pairs and the codes as 32-bit words (16-byte vectors when Triton
+    sees 16-byte alignment), a lane's 64 k at a time."""
+    return _pairs_aligned(x2) and x2.shape[1] % 64 == 0 and _words_aligned(packed)
+
+
+def _tile_opts(x, plan):
+    """The tiled kernels' dot dtype and decode. The interpreter (triton 3.8) multiplies bf16 dot operands
+    as raw bits, so on CPU the tiles are dotted in fp32: the same exact products, accumulated in fp32 as
+    the tensor cores do; it also runs the plain Triton decode instead of the PTX."""
+    tdt = _tl_dtype(x.dtype) if x.is_cuda else tl.float32
+    return dict(DTYPE=tdt, PRECISION="ieee" if tdt == tl.float32 else "tf32",
+                USE_ASM=plan.get("asm", True) and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16))
 
 
 def triton_linear(x2, packed, scale_u8, gs, bias, plan=None):
@@ -881,49 +897,38 @@ def triton_linear(x2, packed, scale_u8, gs, bias, plan=None):
     bk = plan.get("BLOCK_K", 256)  # the mma kernel's k-step is 256
     k_split = triton.cdiv(triton.cdiv(K, split), bk) * bk  # a whole number of K blocks per split
     split = triton.cdiv(K, k_split)
-    even_k = k_split * split == K
     part = torch.empty(split, M, N, dtype=torch.float32, device=x2.device) if split > 1 else y
     bias_arg = bias if bias is not None else gs
-    dtype = x2.dtype
-    use_asm = plan.get("asm", True) and x2.is_cuda and dtype in (torch.bfloat16, torch.float16)  # the PTX decode
-    common = dict(SPLIT_K=split, GS_PER_ROW=gs.numel() > 1, HAS_BIAS=bias is not None, EVEN_K=even_k,
-                  USE_ASM=use_asm, **_launch_opts(plan))
-    # 16-bit x is read as 32-bit pairs (x[2j], x[2j+1]), which needs 4-byte aligned rows.
-    x16 = dtype != torch.float32 and x2.data_ptr() % 4 == 0 and x2.stride(0) % 2 == 0
-    xb = dict(X16=x16, X_IS_BF16=dtype == torch.bfloat16)
-    args = (x2, packed, scale_u8, gs, bias_arg, y, part, M, N, K, x2.stride(0), y.stride(0), packed.stride(0),
-            scale_u8.stride(0), k_split)
+    flags = dict(SPLIT_K=split, GS_PER_ROW=gs.numel() > 1, HAS_BIAS=bias is not None)
     if plan["kernel"] == "mma":
         nw, rt = plan["num_warps"], plan["ROW_TILES"]
         grid = (triton.cdiv(N, 16 * nw * rt), triton.cdiv(M, 8), split)
         if grid[0] * grid[1] > _LOCKS:
             raise ValueError(f"fp4_linear: {grid[0] * grid[1]} output tiles exceed the split-K counters ({_LOCKS})")
         ker._mma_kernel[grid](x2, packed, scale_u8, gs, bias_arg, y, part, _locks(x2.device), M, N, K,
-                              x2.stride(0) // 2, y.stride(0),
-                              packed.stride(0) // 4, scale_u8.stride(0), k_split, ROW_TILES=rt, NUM_WARPS=nw,
-                              SPLIT_K=split, GS_PER_ROW=gs.numel() > 1, HAS_BIAS=bias is not None,
-                              EVEN_K=K % 256 == 0 and k_split % 256 == 0, USE_ASM=x2.is_cuda and plan.get("asm", True), F16=dtype == torch.float16,
-                              num_warps=nw, num_stages=plan.get("num_stages", 1))
-    elif plan["kernel"] == "gemv":
+                              x2.stride(0) // 2, y.stride(0), packed.stride(0) // 4, scale_u8.stride(0), k_split,
+                              ROW_TILES=rt, NUM_WARPS=nw, EVEN_K=K % 256 == 0 and k_split % 256 == 0,
+                              USE_ASM=x2.is_cuda and plan.get("asm", True), F16=x2.dtype == torch.float16,
+                              num_warps=nw, num_stages=plan.get("num_stages", 1), **flags)
+        return y  # (the mma kernel reduces its own split-K partials)
+    args = (x2, packed, scale_u8, gs, bias_arg, y, part, M, N, K, x2.stride(0), y.stride(0), packed.stride(0),
+            scale_u8.stride(0), k_split)
+    common = dict(EVEN_K=k_split * split == K, **flags, **_launch_opts(plan))
+    if plan["kernel"] == "gemv":
         grid = (triton.cdiv(N, plan["BLOCK_N"]), M, split)
         # On the GPU the decode is the PTX on 32-bit words (whatever x's dtype); the interpreter runs the
         # plain Triton decode.
-        common["USE_ASM"] = (plan.get("asm", True) and x2.is_cuda and packed.data_ptr() % 4 == 0
-                             and packed.stride(0) % 4 == 0)
-        ker._gemv_kernel[grid](*args, BLOCK_N=plan["BLOCK_N"], BLOCK_K=bk, **xb, **common)
+        ker._gemv_kernel[grid](*args, BLOCK_N=plan["BLOCK_N"], BLOCK_K=bk, X16=_pairs_aligned(x2),
+                               X_IS_BF16=x2.dtype == torch.bfloat16,
+                               USE_ASM=plan.get("asm", True) and x2.is_cuda and _words_aligned(packed), **common)
     else:
-        # The interpreter (triton 3.8) multiplies bf16 dot operands as raw bits, so on CPU the tiles are
-        # dotted in fp32: the same exact products, accumulated in fp32 as the tensor cores do.
-        tdt = _tl_dtype(dtype) if x2.is_cuda else tl.float32
         grid = (triton.cdiv(M, plan["BLOCK_M"]) * triton.cdiv(N, plan["BLOCK_N"]), split)
         ker._tiled_kernel[grid](*args, BLOCK_M=plan["BLOCK_M"], BLOCK_N=plan["BLOCK_N"], BLOCK_K=bk,
-                                GROUP_M=plan["GROUP_M"], DTYPE=tdt, PRECISION="ieee" if tdt == tl.float32 else "tf32",
-                                **common)
-    if split > 1 and plan["kernel"] != "mma":  # (the mma kernel reduces its own split-K partials)
+                                GROUP_M=plan["GROUP_M"], **_tile_opts(x2, plan), **common)
+    if split > 1:
         block = 1024
-        ker._splitk_reduce_kernel[(triton.cdiv(M * N, block),)](
-            part, gs, bias_arg, y, M, N, y.stride(0), SPLIT_K=split, BLOCK=block, GS_PER_ROW=gs.numel() > 1,
-            HAS_BIAS=bias is not None, num_warps=4)
+        ker._splitk_reduce_kernel[(triton.cdiv(M * N, block),)](part, gs, bias_arg, y, M, N, y.stride(0),
+                                                                BLOCK=block, num_warps=4, **flags)
     return y
 
 
@@ -937,16 +942,13 @@ def triton_dx(g2, packed, scale_u8, gs, plan=None):
     dx = torch.empty(M, K, dtype=g2.dtype, device=g2.device)
     if M == 0:
         return dx
-    dtype = g2.dtype
     bm, bn, bk = plan["BLOCK_M"], plan["BLOCK_N"], plan["BLOCK_K"]
     grid = (triton.cdiv(M, bm) * triton.cdiv(K, bk),)
-    tdt = _tl_dtype(dtype) if g2.is_cuda else tl.float32  # fp32 in the interpreter, as in triton_linear
     _kernels(g2.device)._tiled_dx_kernel[grid](
         g2, packed, scale_u8, gs, dx, M, N, K, g2.stride(0), dx.stride(0),
         packed.stride(0), scale_u8.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         GROUP_M=plan["GROUP_M"], GS_PER_ROW=gs.numel() > 1, EVEN_N=N % bn == 0, EVEN_K=K % bk == 0,
-        USE_ASM=plan.get("asm", True) and g2.is_cuda and dtype in (torch.bfloat16, torch.float16), DTYPE=tdt,
-        PRECISION="ieee" if tdt == tl.float32 else "tf32", **_launch_opts(plan))
+        **_tile_opts(g2, plan), **_launch_opts(plan))
     return dx
 
 
@@ -1121,7 +1123,6 @@ QWEN7B_SHAPES = {"qkv": (3584, (3584, 512, 512), True), "o": (3584, (3584,), Fal
                  "gate_up": (3584, (18944, 18944), False), "down": (18944, (3584,), False)}
 BENCH_M = (1, 4, 16, 64, 256, 1024, 4096)
 ROTATE_BYTES = 256 * 2**20  # weights touched per timed graph: several times the 50 MB L2
-_DEV = "cuda"  # the harness's device (a CPU dry run of the harness code sets "cpu")
 
 
 def _bench_layer(K, parts, bias, seed=0):
@@ -1129,7 +1130,7 @@ def _bench_layer(K, parts, bias, seed=0):
     torch.manual_seed(seed)
     layers = []
     for n in parts:
-        lin = nn.Linear(K, n, bias=bias, device=_DEV, dtype=torch.bfloat16)
+        lin = nn.Linear(K, n, bias=bias, device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
             lin.weight.normal_(0, 0.02)
             if bias:
@@ -1261,7 +1262,7 @@ def _run_one(name, M, direction, plan, x=None):
     layer = _layer_for(name)
     K, N = layer.in_features, layer.out_features
     if x is None:
-        x = torch.randn(M, N if direction == "dx" else K, device=_DEV, dtype=torch.bfloat16)
+        x = torch.randn(M, N if direction == "dx" else K, device="cuda", dtype=torch.bfloat16)
     args = (layer.weight_packed, layer.weight_scale.view(torch.uint8), layer.weight_global_scale.float())
     if direction == "fwd":
         return triton_linear(x, *args, layer.bias, plan)
@@ -1273,8 +1274,7 @@ def _warm(task):
     name, M, direction, plan = task
     try:
         _run_one(name, M, direction, plan)
-        if _DEV == "cuda":
-            torch.cuda.synchronize()
+        torch.cuda.synchronize()
         return None
     except Exception as e:  # reported by the parent
         return f"{name} M={M} {direction} {plan}: {type(e).__name__}: {str(e)[:300]}"
@@ -1297,7 +1297,7 @@ def _precompile(tasks, jobs):
 
 
 def _copy_bandwidth():
-    a = torch.empty(2**30, dtype=torch.uint8, device=_DEV)
+    a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
     ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=10, rep=50, return_mode="median")
     return 2 * a.numel() / ms / 1e9  # TB/s, bytes read + written
@@ -1307,15 +1307,14 @@ def _measure(name, M, direction, plans, log):
     """Check every plan against the float reference, time it and cuBLAS; returns result rows."""
     layer = _layer_for(name)
     K, N = layer.in_features, layer.out_features
-    x = torch.randn(M, N if direction == "dx" else K, device=_DEV, dtype=torch.bfloat16)
+    x = torch.randn(M, N if direction == "dx" else K, device="cuda", dtype=torch.bfloat16)
     ref = _reference(layer, x, direction)
     out_dim = K if direction == "dx" else N
     nbytes = layer.weight_packed.numel() + layer.weight_scale.numel() + 2 * x.numel() + 2 * M * out_dim
     flops = 2 * M * N * K
-    t_cublas = _graph_ms(_cublas_calls(layer, direction, x))
-    y = (torch.nn.functional.linear(x, layer.dequantized_weight(torch.bfloat16), layer.bias) if direction == "fwd"
-         else x @ layer.dequantized_weight(torch.bfloat16))
-    err_cublas = _rel_err(y, ref)
+    cublas = _cublas_calls(layer, direction, x)
+    t_cublas = _graph_ms(cublas)
+    err_cublas = _rel_err(cublas[0](), ref)
     rows = []
     for plan in plans:
         try:
@@ -1330,6 +1329,17 @@ def _measure(name, M, direction, plans, log):
     return rows
 
 
+def _kernel_label(p):
+    """A plan as the table's kernel column: 'mma 64 rows split4 w4', 'tiled 16x64x128 split4 w4s4', ..."""
+    split = f" split{p['SPLIT_K']}" if p.get("SPLIT_K", 1) > 1 else ""
+    if p["kernel"] == "dequant":
+        return "dequant+cuBLAS" + (" {}x{} w{}".format(*p["DQ"]) if p.get("DQ") else "")
+    if p["kernel"] == "mma":
+        return f"mma {16 * p['num_warps'] * p['ROW_TILES']} rows{split} w{p['num_warps']}"
+    return (f"{p['kernel']} {p.get('BLOCK_M', 1)}x{p['BLOCK_N']}x{p['BLOCK_K']}{split}"
+            + (" plain-decode" if p.get("asm") is False else "") + f" w{p.get('num_warps')}s{p.get('num_stages')}")
+
+
 def _table(rows, copy_tbps, device=None):
     lines = [f"Device: {device or torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
              f"device copy {copy_tbps:.2f} TB/s (read + write). Times: median of CUDA-graph replays over rotated "
@@ -1338,17 +1348,9 @@ def _table(rows, copy_tbps, device=None):
              "| layer | N x K | M | pass | kernel | ours µs | cuBLAS µs | ratio | TB/s | TFLOP/s | rel err (ours / cuBLAS) |",
              "| --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
-        p = r["plan"]
-        kern = ("dequant+cuBLAS" + (" {}x{} w{}".format(*p["DQ"]) if p.get("DQ") else "")) if p["kernel"] == "dequant" else (
-            f"mma {16 * p['num_warps'] * p['ROW_TILES']} rows" + (f" split{p['SPLIT_K']}" if p.get("SPLIT_K", 1) > 1 else "")
-            + f" w{p['num_warps']}") if p["kernel"] == "mma" else (
-            f"{p['kernel']} {p.get('BLOCK_M', 1)}x{p['BLOCK_N']}x{p['BLOCK_K']}"
-            + (f" split{p['SPLIT_K']}" if p.get("SPLIT_K", 1) > 1 else "")
-            + (" plain-decode" if p.get("asm") is False else "")
-            + f" w{p.get('num_warps')}s{p.get('num_stages')}")
-        lines.append(f"| {r['shape']} | {r['N']} x {r['K']} | {r['M']} | {r['direction']} | {kern} | {r['ms'] * 1e3:.1f} | "
-                     f"{r['cublas_ms'] * 1e3:.1f} | {r['ratio']:.2f} | {r['tbps']:.2f} | {r['tflops']:.0f} | "
-                     f"{r['err']:.1e} / {r['cublas_err']:.1e} |")
+        lines.append(f"| {r['shape']} | {r['N']} x {r['K']} | {r['M']} | {r['direction']} | {_kernel_label(r['plan'])} | "
+                     f"{r['ms'] * 1e3:.1f} | {r['cublas_ms'] * 1e3:.1f} | {r['ratio']:.2f} | {r['tbps']:.2f} | "
+                     f"{r['tflops']:.0f} | {r['err']:.1e} / {r['cublas_err']:.1e} |")
     return "\n".join(lines)
 
 
@@ -1367,7 +1369,7 @@ def main():
     args = parser.parse_args()
     if not (args.bench or args.tune):
         parser.error("nothing to do: pass --bench or --tune")
-    if (not torch.cuda.is_available() and _DEV == "cuda") or not HAS_TRITON:
+    if not torch.cuda.is_available() or not HAS_TRITON:
         raise SystemExit("--bench/--tune need a CUDA GPU and triton")
     import json
     import time
@@ -1379,7 +1381,7 @@ def main():
     for name, M, d in probs:
         K, parts, _ = QWEN7B_SHAPES[name]
         N = sum(parts)
-        dev = torch.device(_DEV)
+        dev = torch.device("cuda")
         chosen = plan_forward(M, N, K, torch.bfloat16, dev) if d == "fwd" else plan_dx(M, N, K, torch.bfloat16, dev)
         plans[(name, M, d)] = _candidates(M, N, K, d) if args.tune else [chosen]
     tasks = [(n, M, d, p) for (n, M, d), ps in plans.items() for p in ps if p["kernel"] != "dequant"]

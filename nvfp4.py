@@ -67,7 +67,7 @@ LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 class NVFP4Tensor:
     packed: torch.Tensor  # (N, K/2) uint8
     scale: torch.Tensor  # (N, K/16) float8_e4m3fn
-    global_scale: torch.Tensor  # (1,) float32
+    global_scale: torch.Tensor  # (1,) float32; (N,), one per row, for fused layers (QuantLinear.concat)
 
     @property
     def shape(self):
@@ -137,8 +137,7 @@ def quantize(w, name="weight"):
 
 def byte_table(device=None):
     """(256, 2) float32: the two values each packed byte decodes to (low nibble first)."""
-    b = torch.arange(256, device=device)
-    return e2m1_table(device)[torch.stack([b & 0xF, b >> 4], dim=-1)]
+    return e2m1_table(device)[unpack(torch.arange(256, device=device)[:, None])]
 
 
 def dequantize(q, dtype=torch.float32):
@@ -208,16 +207,13 @@ def save_quantized(src, dst, progress=True):
         config = json.load(f)
     if config.get("quantization_config"):
         raise ValueError(f"{src} is already quantized ({config['quantization_config'].get('quant_method')})")
-    shards = sorted(set(weight_map(src).values()))
+    keys = weight_map(src)
+    shards = sorted(set(keys.values()))
     parent = os.path.dirname(os.path.abspath(dst))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".nvfp4-", dir=parent)
     written = {}
-    total = 0
-    for shard in shards:
-        with safe_open(os.path.join(src, shard), "pt") as f:
-            total += len(f.keys())
-    bar = tqdm(total=total, desc="quantizing to NVFP4", unit="tensor", disable=not progress)
+    bar = tqdm(total=len(keys), desc="quantizing to NVFP4", unit="tensor", disable=not progress)
     for i, shard in enumerate(shards):
         out = {}
         with safe_open(os.path.join(src, shard), "pt") as f:

@@ -34,6 +34,7 @@ import nvfp4  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+E2M1_SIGNED = E2M1 + [-v for v in E2M1]  # indexed by the 4-bit code (sign bit 3)
 
 needs_triton = pytest.mark.skipif(
     not fp4_gemm.HAS_TRITON or (DEV.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"),
@@ -45,7 +46,7 @@ def ref_weight(packed, scale, gs):
     """float64 (N, K) from the stored bytes, decoded independently of fp4_gemm/nvfp4."""
     p = packed.cpu().long()
     codes = torch.stack([p & 0xF, p >> 4], -1).reshape(p.shape[0], -1)  # (N, K), element 2i = low nibble
-    table = torch.tensor(E2M1 + [-v for v in E2M1], dtype=torch.float64)
+    table = torch.tensor(E2M1_SIGNED, dtype=torch.float64)
     vals = table[codes]
     s = scale.cpu().float().double().repeat_interleave(16, dim=1)  # (N, K)
     return vals * s / gs.cpu().double().reshape(-1, 1)
@@ -168,10 +169,8 @@ def test_backward_dx_only(path, kernel, dtype, poisoned):
     if path == "triton" and DEV.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no interpreter")
     M, K, N = 17, 48, 40
-    layer = fp4_gemm.QuantLinear(K, N, bias=True, dtype=dtype, device=DEV)
     q = make_q(N, K, per_row=(dtype == torch.float32), seed=11)
-    if q.global_scale.numel() > 1:
-        layer = fp4_gemm.QuantLinear(K, N, bias=True, dtype=dtype, device=DEV, per_row_scale=True)
+    layer = fp4_gemm.QuantLinear(K, N, bias=True, dtype=dtype, device=DEV, per_row_scale=q.global_scale.numel() > 1)
     layer.weight_packed.copy_(q.packed)
     layer.weight_scale.copy_(q.scale)
     layer.weight_global_scale.copy_(q.global_scale)
@@ -191,14 +190,13 @@ def test_backward_dx_only(path, kernel, dtype, poisoned):
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_dequant_kernel_is_bit_identical(dtype, poisoned):
-    """The dequant path's Triton kernel reproduces nvfp4.dequantize (per-tensor scale) and
-    fp4_gemm.dequantize (per-row) bit for bit: same float32 arithmetic, one rounding. (Triton's
-    interpreter rounds float32 → bf16 by truncation, so on CPU bf16 may differ by one bf16 step.)"""
+    """The dequant path's Triton kernel reproduces nvfp4.dequantize (through fp4_gemm.dequantize), per-tensor
+    and per-row scales, bit for bit: same float32 arithmetic, one rounding. (Triton's interpreter rounds
+    float32 → bf16 by truncation, so on CPU bf16 may differ by one bf16 step.)"""
     for per_row in (False, True):
         q = make_q(40, 272, per_row, seed=21 + per_row)
         got = fp4_gemm.dequantize_triton(q.packed, q.scale.view(torch.uint8), q.global_scale, dtype).cpu()
-        want = (fp4_gemm.dequantize(q.packed, q.scale, q.global_scale, dtype) if per_row
-                else nvfp4.dequantize(q, dtype)).cpu()
+        want = fp4_gemm.dequantize(q.packed, q.scale, q.global_scale, dtype).cpu()
         if dtype == torch.float32 or DEV.type == "cuda":
             assert torch.equal(got, want)
         else:
@@ -392,7 +390,7 @@ def _pack(lo, hi, ty):
 def run_ptx_warp(asm, operands):
     """Run an inline-asm block for the 32 lanes of a warp at once. operands: {"$k": array (32,)} of uint32
     (float32 for the f32 accumulators); returns the registers. Implements only what the mma blocks
-    use: mov, and, or, shl, shr, mul.hi.u32, prmt (default mode), mul.rn.{bf16,f16}x2 and
+    use: mov, and, or, shl, shr, prmt (default mode), mul.rn.{bf16,f16}x2 and
     mma.sync.aligned.m16n8k16.row.col.f32 with the PTX ISA's fragment layout."""
     regs = {k: np.asarray(v) for k, v in operands.items()}
     lane = np.arange(32)
@@ -402,8 +400,6 @@ def run_ptx_warp(asm, operands):
         x = x.strip()
         if x in regs:
             return regs[x]
-        if x.startswith("0f"):
-            return np.full(32, np.uint32(int(x[2:], 16)).view(np.float32))
         return np.full(32, int(x, 0), dtype=np.uint64).astype(np.uint32)
 
     for ins in asm.strip().strip("{}").split(";"):
@@ -440,8 +436,6 @@ def run_ptx_warp(asm, operands):
             out = (u[0] << u[1]) & 0xFFFFFFFF
         elif op == "shr.b32":
             out = u[0] >> u[1]
-        elif op == "mul.hi.u32":
-            out = (u[0] * u[1]) >> 32
         elif op == "prmt.b32":
             pool = u[0] | (u[1] << 32)  # bytes 0-3 from a, 4-7 from b
             out = sum(((pool >> (8 * ((u[2] >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
@@ -451,7 +445,7 @@ def run_ptx_warp(asm, operands):
             out = _pack(a0.astype(np.float64) * b0, a1.astype(np.float64) * b1, ty)
         else:
             raise NotImplementedError(op)
-        regs[dst] = np.asarray(out).astype(np.uint32) if op != "mov.b32" or np.asarray(out).dtype != np.float32 else out
+        regs[dst] = np.asarray(out).astype(np.uint32)
     return regs
 
 
@@ -488,7 +482,7 @@ def test_mma_ptx_block_emulated(f16, half):
     regs = run_ptx_warp(asm, ops)
     got = np.stack([regs[f"${i}"] for i in range(4)], 1).astype(np.float64)  # (lane, 4)
 
-    e2m1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+    e2m1 = np.array(E2M1_SIGNED)
     xv = (x.astype(np.float16) if f16 else _bf16_to_f32(xbits)).astype(np.float64)  # (lane, word, i)
     lane = np.arange(32)
     g, t = lane // 4, lane % 4
@@ -510,7 +504,7 @@ def test_decode_ptx_blocks_emulated():
     """The GEMV's word decode and the tiles' byte decode (PTX, GPU only) on the CPU emulator: every code
     comes out as e2m1 * 2^-14 (float16 pairs), or as e2m1 * scale in bf16 / float16 pairs."""
     rng = np.random.default_rng(3)
-    e2m1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+    e2m1 = np.array(E2M1_SIGNED)
     q = rng.integers(0, 2**32, 32, dtype=np.uint64).astype(np.uint32)  # one word of 8 codes a lane
     code = lambda k: (q.astype(np.int64) >> (4 * k)) & 0xF  # k = 2 * byte + nibble
     regs = run_ptx_warp(fp4_gemm._e2m1_word_asm(), {"$4": q})
