@@ -19,7 +19,7 @@ A problem is a chain of 2-4 operations on a running count, told as a short story
   then a newline and `#### z_final`, as GSM8K's answers end. We use GSM8K's plain `*` for
   multiplication and leave out its `<<12+7=19>>` calculator annotations: they would double the
   completion length (the tiny policy writes numbers one digit a token) and carry no
-  information the equation does not. A solution is at most 52 characters (47 tokens of the tiny
+  information the equation does not. A solution is at most 52 characters (48 tokens of the tiny
   policy's tokenizer, plus its end-of-turn token).
 
 Splits. Every problem's arithmetic content -- the start value and the list of (op, operand) -- is
@@ -73,7 +73,8 @@ def split_of(start, ops):
 
 
 def _draw_chain(rng):
-    """A start value and 2-4 (op, operand) pairs whose running value stays in [1, MUL_CAP]."""
+    """A start value and 2-4 (op, operand) pairs whose running value stays >= 1, with every product
+    <= MUL_CAP (additions after a product may pass it)."""
     x = rng.randint(*START_RANGE)
     start, ops = x, []
     for _ in range(rng.randint(2, 4)):

@@ -21,7 +21,6 @@ with torch.cuda.set_per_process_memory_fraction to reproduce an 80 GB card on a 
 import argparse
 import gc
 import time
-from types import SimpleNamespace
 
 import torch
 
@@ -48,10 +47,10 @@ def parse_args(argv=None):
 
 
 def update_args(a):
-    """train.update's knobs for one on-policy DAPO pass."""
-    return SimpleNamespace(adv_std="group", overlong_filter=False, update_passes=1, aqn_update=False,
-                           micro_batch=a.micro_batch, temperature=1.0, logp_chunk=1024, beta=0.0, eps_low=0.2,
-                           eps_high=0.28, loss_agg="token-mean", max_new_tokens=a.new_tokens, grad_clip=1.0)
+    """train.update's knobs for one on-policy DAPO pass: train.py's own defaults (its DAPO recipe), with
+    this benchmark's micro-batch and completion length."""
+    return train.recipe(train.parse_args(["--algo", "dapo", "--micro-batch", str(a.micro_batch),
+                                          "--max-new-tokens", str(a.new_tokens)]))
 
 
 def sync(device):
@@ -87,7 +86,7 @@ def run_mode(a, mode, device, cfg):
         sync(device)
         t1 = time.time()
         correct = torch.randint(0, 2, (a.prompts, a.group_size), generator=gen).float()  # the reward stand-in
-        groups = [dict(item=i, rollout=ro, rows=list(range(i * a.group_size, (i + 1) * a.group_size)), reward=correct[i])
+        groups = [dict(item=i, rollout=ro, rows=list(range(i * a.group_size, (i + 1) * a.group_size)))
                   for i in range(a.prompts)]
         metrics = train.update(ua, model, optimizer, params, groups, correct, lambda i: prompts[i], 0.0, 0, device)
         sync(device)

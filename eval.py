@@ -95,7 +95,7 @@ def evaluate(model, tokenizer, items, kind=None, *, samples=1, temperature=0.6, 
     items: tasks.load_dataset records ({question, answer[, kind, level, subject, id]}); an item's own
     `kind` wins over the `kind` argument (the default for items without one). batch_size: completions
     per rollout.generate call (prompts per call = batch_size // samples, at least 1). seed: the
-    sampling seed; batch b uses seed + b, so the result does not depend on anything else.
+    sampling seed; batch b uses seed + b, so the result does not depend on the global RNG.
 
     Returns {"accuracy", "pass@1", "avg@K", "pass@k": {k: ...}, "n", "samples", "mean_length",
     "truncated", "by_level", "by_subject", "seconds", "records"}; records holds one dict a completion
@@ -110,8 +110,7 @@ def evaluate(model, tokenizer, items, kind=None, *, samples=1, temperature=0.6, 
     kinds = [it.get("kind") or kind for it in items]
     if any(k is None for k in kinds):
         raise ValueError("items without a 'kind' need the kind argument ('gsm8k' or 'math')")
-    prompts = [tokenizer(tasks.get_task(k).build_prompt(tokenizer, it["question"]), add_special_tokens=False)["input_ids"]
-               for it, k in zip(items, kinds)]
+    prompts = [tasks.get_task(k).prompt_ids(tokenizer, it["question"]) for it, k in zip(items, kinds)]
     stops = stop_token_ids(tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     per_call = max(1, batch_size // samples)
@@ -193,8 +192,7 @@ def load_policy(name, adapter=None, quant="nvfp4", device="cpu"):
     if adapter:
         import lora
 
-        lora.load_adapter(m, adapter)
-        m.to(device)
+        lora.load_adapter(m, adapter)  # (into adapters made on the base's device)
     return m.eval(), model_lib.load_tokenizer(name)
 
 

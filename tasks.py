@@ -412,6 +412,10 @@ class Task:
         return tokenizer.apply_chat_template(self.messages(question), add_generation_prompt=True,
                                              tokenize=False)
 
+    def prompt_ids(self, tokenizer, question):
+        """build_prompt's token ids: the template already holds every special token."""
+        return tokenizer(self.build_prompt(tokenizer, question), add_special_tokens=False)["input_ids"]
+
     def extract(self, completion):
         return extract_answer(self.kind, completion)
 

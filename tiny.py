@@ -188,8 +188,8 @@ def make_batch(pairs, idx, pad_id, device):
 @torch.no_grad()
 def sample(model, prompts, n, max_new_tokens, temperature, eos_id, pad_id, generator):
     """A small KV-cached sampling loop on the HF model: each prompt n times, left-padded; temperature 0
-    is greedy. Returns completion token lists (eos excluded). Kept here so tiny.py needs no project
-    module besides arith."""
+    is greedy. Returns completion token lists (eos excluded). Kept here so that training needs nothing
+    from the project but arith.py and tasks.py."""
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
@@ -235,8 +235,7 @@ def sample(model, prompts, n, max_new_tokens, temperature, eos_id, pad_id, gener
 
 def accuracy(model, tokenizer, items, samples, generator):
     """Held-out greedy accuracy, temperature-1 pass@1 (mean over samples) and pass@samples."""
-    prompts = [tokenizer(prompt_text(tokenizer, it["question"]), add_special_tokens=False)["input_ids"]
-               for it in items]
+    prompts = [arith_task().prompt_ids(tokenizer, it["question"]) for it in items]
     gold = [arith.parse_solution(it["answer"])[1] for it in items]
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     model.eval()

@@ -83,7 +83,7 @@ def parse_args(argv=None):
     p.add_argument("--lora-rank", type=int, default=32, help="LoRA rank r")
     p.add_argument("--lora-alpha", type=float, default=32, help="LoRA alpha (scaling alpha/r)")
     p.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA dropout")
-    p.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", help="comma-separated module names")
+    p.add_argument("--lora-targets", default=",".join(lora.TARGETS), help="comma-separated module names")
     # loss (DAPO: eps 0.2/0.28, token-mean, no KL; GRPO: eps 0.2, beta 0.04, sequence mean)
     p.add_argument("--eps-low", type=float, default=0.2, help="lower clip range")
     p.add_argument("--eps-high", type=float, default=None, help="upper clip range (dapo 0.28, grpo 0.2)")
@@ -92,7 +92,7 @@ def parse_args(argv=None):
     p.add_argument("--adv-std", default="group", choices=["group", "batch", "none"], help="advantage normalization (none = Dr. GRPO)")
     p.add_argument("--no-dynamic-sampling", action="store_true", help="DAPO: keep groups whose rewards are all equal")
     p.add_argument("--max-sampling-rounds", type=int, default=3, help="DAPO: rollout rounds per step to find informative groups")
-    p.add_argument("--overlong-buffer", type=int, default=None, help="DAPO soft overlong punishment band (default: max_new_tokens//5; 0 = off)")
+    p.add_argument("--overlong-buffer", type=int, default=None, help="DAPO soft overlong punishment band (default: max_new_tokens//5 with dapo, 0 = off with grpo)")
     p.add_argument("--overlong-filter", action="store_true", help="mask truncated completions out of the loss")
     p.add_argument("--signed-reward", action="store_true", help="correctness +1/-1 instead of 1/0")
     p.add_argument("--format-reward", type=float, default=0.0, help="weight of the format part of the reward")
@@ -117,13 +117,13 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def recipe(args, tokenizer_vocab=None):
+def recipe(args):
     """Fill the model-dependent defaults: the tiny CPU demo, or the paper's GPU recipe."""
     tiny = args.model == "tiny"
     fill = {
         "data": "arith" if tiny else "gsm8k",
         "steps": 30 if tiny else 500,
-        "prompts": 16 if tiny else 16,
+        "prompts": 16,
         "max_new_tokens": 64 if tiny else 1024,
         "micro_batch": 128 if tiny else 8,
         # The tiny model learns from scratch-level signal in minutes only with a large LoRA lr;
@@ -202,16 +202,17 @@ def completion_logprobs(model, prompts, completions, lengths, temperature, chunk
     rows = torch.cat([torch.full((int(n),), i) for i, n in enumerate(lengths)])  # (N,)
     cols = torch.cat([torch.arange(int(n)) for n in lengths])  # (N,) completion index j
     pos = torch.tensor([len(prompts[i]) - 1 for i in rows.tolist()]) + cols  # hidden state that predicts token j
-    hs = h[rows.to(device), pos.to(device)]  # (N, H)
     targets = completions[rows, cols].to(device)  # (N,)
+    rows, cols = rows.to(device), cols.to(device)
+    hs = h[rows, pos.to(device)]  # (N, H)
     weight = model.lm_head.weight
     parts = [torch.utils.checkpoint.checkpoint(_chunk_logp, hs[s:s + chunk], weight, targets[s:s + chunk],
                                                temperature, use_reentrant=False)
              for s in range(0, hs.shape[0], chunk)]
     logp = torch.zeros(B, Tc, device=device)
     entropy = torch.zeros(B, Tc, device=device)
-    logp = logp.index_put((rows.to(device), cols.to(device)), torch.cat([p[0] for p in parts]))
-    entropy[rows.to(device), cols.to(device)] = torch.cat([p[1] for p in parts]).detach()
+    logp = logp.index_put((rows, cols), torch.cat([p[0] for p in parts]))
+    entropy[rows, cols] = torch.cat([p[1] for p in parts]).detach()
     return logp, entropy
 
 
@@ -311,13 +312,15 @@ class PromptStream:
 
     def __init__(self, items, seed, pos=0):
         self.items, self.seed, self.pos = items, seed, pos
+        self.epoch, self.order = None, None  # the current epoch's permutation, derived from seed + epoch
 
     def take(self, n):
         out = []
         for _ in range(n):
             epoch, i = divmod(self.pos, len(self.items))
-            order = np.random.default_rng(self.seed + epoch).permutation(len(self.items))
-            out.append(self.items[order[i]])
+            if epoch != self.epoch:
+                self.epoch, self.order = epoch, np.random.default_rng(self.seed + epoch).permutation(len(self.items))
+            out.append(self.items[self.order[i]])
             self.pos += 1
         return out
 
@@ -426,8 +429,7 @@ def main(argv=None):
     def encode(item):
         q = item["question"]
         if q not in prompt_ids:
-            text = tasks.get_task(kind).build_prompt(tokenizer, q)
-            prompt_ids[q] = tokenizer(text, add_special_tokens=False)["input_ids"]
+            prompt_ids[q] = tasks.get_task(kind).prompt_ids(tokenizer, q)
         return prompt_ids[q]
 
     def heldout(step):
@@ -490,8 +492,8 @@ def main(argv=None):
                                   format_weight=args.format_reward)[1] for i, t in enumerate(texts)]
             correct = torch.tensor([p["correct"] for p in parts])
             fmt = torch.tensor([p["format"] for p in parts])
-            over = dapo.overlong_penalty(ro.lengths.cpu(), args.max_new_tokens, args.overlong_buffer, dtype=torch.float32) \
-                if args.overlong_buffer else torch.zeros(len(texts))
+            # (buffer 0: the hard rule, zero up to max_new_tokens, which rollouts never pass)
+            over = dapo.overlong_penalty(ro.lengths.cpu(), args.max_new_tokens, args.overlong_buffer, dtype=torch.float32)
             G = args.group_size
             total = (correct + fmt + over).view(len(items), G)  # (groups, G)
             groups = [dict(item=items[g], rollout=ro, rows=list(range(g * G, (g + 1) * G)), reward=total[g],

@@ -78,7 +78,7 @@ def test_sigkill_and_resume_give_the_same_metrics(tmp_path):
     (["--temperature", "0"], "--temperature must be > 0"),
     (["--resume", "/nonexistent-run"], "no args.json"),
 ])
-def test_bad_input_fails_before_work(argv, message, capsys):
+def test_bad_input_fails_before_work(argv, message):
     with pytest.raises(SystemExit) as e:
         train.main(argv)
     assert message in str(e.value)
