@@ -167,7 +167,7 @@ def check_args(args):
     for name in (args.data, args.eval_data):
         if name.endswith(".jsonl") and not os.path.exists(name):
             problems.append(f"no data file at {name}")
-    if args.resume and not os.path.isdir(os.path.join(args.resume, "checkpoint")):
+    if args.resume and find_checkpoint(args.resume) is None:
         problems.append(f"--resume {args.resume}: no checkpoint/ folder in it (killed before its first checkpoint? start it again without --resume)")
     if problems:
         sys.exit("train.py: " + "\n  ".join(["cannot start:"] + problems))
@@ -254,12 +254,21 @@ def save_checkpoint(out, model, optimizer, scheduler, state):
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
-def load_checkpoint(out):
-    for name in ("checkpoint", "checkpoint.old"):  # .old survives a crash between the two renames
+def find_checkpoint(out):
+    """The complete checkpoint folder to resume from, or None: checkpoint/, else checkpoint.old/ (which
+    is all there is after a crash between save_checkpoint's two renames)."""
+    for name in ("checkpoint", "checkpoint.old"):
         path = os.path.join(out, name)
         if os.path.exists(os.path.join(path, "state.pt")):
-            return path, torch.load(os.path.join(path, "state.pt"), weights_only=False)
-    raise FileNotFoundError(f"no complete checkpoint in {out}")
+            return path
+    return None
+
+
+def load_checkpoint(out):
+    path = find_checkpoint(out)
+    if path is None:
+        raise FileNotFoundError(f"no complete checkpoint in {out}")
+    return path, torch.load(os.path.join(path, "state.pt"), weights_only=False)
 
 
 def truncate_jsonl(path, keep):

@@ -84,6 +84,23 @@ def test_bad_input_fails_before_work(argv, message):
     assert message in str(e.value)
 
 
+def test_resume_finds_the_checkpoint_a_crash_left(tmp_path):
+    """A crash between save_checkpoint's two renames leaves only checkpoint.old/: --resume must start from
+    it (it once failed the argument check, which looked for checkpoint/ alone); a complete checkpoint/
+    wins over it, and a folder without state.pt does not count."""
+    args = train.recipe(train.parse_args(["--resume", str(tmp_path)]))
+    with pytest.raises(SystemExit, match="no checkpoint/ folder"):
+        train.check_args(args)
+    for name, step in (("checkpoint.old", 3), ("checkpoint", 4)):
+        os.makedirs(tmp_path / name)
+        if name == "checkpoint":
+            assert train.load_checkpoint(str(tmp_path))[0].endswith("checkpoint.old")  # no state.pt yet
+        torch.save({"step": step}, tmp_path / name / "state.pt")
+        train.check_args(args)
+        path, state = train.load_checkpoint(str(tmp_path))
+        assert path.endswith(name) and state["step"] == step
+
+
 def test_unknown_model_fails_clearly(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a hub id"):
         train.main(["--model", "no-such-model", "--out", str(tmp_path)])
