@@ -488,6 +488,7 @@ def main(argv=None):
         sigma = 0.0 if args.no_aqn else schedule.sigma(step)
         noise_seed = args.seed * 1_000_003 + step
         gen_device = device if device.type == "cuda" else "cpu"
+        sampled_tokens = []  # every round's, kept or filtered: what the rollout time was spent on
 
         def sample(round_):
             items = stream.take(args.prompts)
@@ -496,6 +497,7 @@ def main(argv=None):
                 ro = rollout.generate(model, [encode(it) for it in items], n=args.group_size,
                                       max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                       top_p=args.top_p, stop_ids=stop_ids, seed=args.seed * 7919 + step * 31 + round_)
+            sampled_tokens.append(int(ro.lengths.sum()))
             texts = ro.texts(tokenizer)
             parts = [tasks.reward(kind, t, items[i // args.group_size]["answer"], signed=args.signed_reward,
                                   format_weight=args.format_reward)[1] for i, t in enumerate(texts)]
@@ -525,7 +527,6 @@ def main(argv=None):
 
         m = {"step": step, "sigma": sigma, "aqn_stage": schedule.stage(step), "rounds": rounds,
              "filtered_groups": filtered, "groups": len(groups), "lr": scheduler.get_last_lr()[0]}
-        all_rollouts = [g["rollout"] for g in groups]
         if groups:
             correct = torch.stack([g["correct"] for g in groups])
             m.update(reward=rewards.mean().item(), reward_correct=correct.mean().item(),
@@ -536,11 +537,10 @@ def main(argv=None):
         scheduler.step()
         step += 1
         t_total = time.time() - t0
-        gen_tokens = sum(int(r.lengths.sum()) for r in {id(r): r for r in all_rollouts}.values())
         lengths = torch.cat([g["rollout"].lengths[g["rows"]].cpu() for g in groups]).float() if groups else torch.zeros(1)
         m.update(update_metrics, response_length=lengths.mean().item(), response_length_max=lengths.max().item(),
                  time_rollout=t_rollout, time_update=t_total - t_rollout, time_step=t_total,
-                 rollout_tokens_per_s=gen_tokens / max(t_rollout, 1e-9),
+                 rollout_tokens_per_s=sum(sampled_tokens) / max(t_rollout, 1e-9),
                  peak_memory_gb=(torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else peak_rss_gb()))
         if args.eval_every and step % args.eval_every == 0 and step < args.steps:
             m["heldout_accuracy"] = heldout(step)
