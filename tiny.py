@@ -371,17 +371,19 @@ def report(out, meta, held, args):
     meta["final"] = measure(out, held, args.eval_samples, args.device)
     (out / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
     (out / "README.md").write_text(readme(argparse.Namespace(**meta["args"]), meta, AutoConfig.from_pretrained(out),
-                                          len(held)))
+                                          len(held), args.eval_samples))
     size = os.path.getsize(out / "model.safetensors") / 2**20
     print(f"wrote {out} (model.safetensors {size:.2f} MiB)")
     return meta
 
 
-def readme(args, meta, config, n_held):
+def readme(args, meta, config, n_held, k):
+    """args: how the checkpoint was trained (its history has args.eval_samples samples a problem); k: the
+    samples a problem of the final measurement (--report-only may use another number)."""
     f, q = meta["final"]["bf16"], meta["final"]["nvfp4"]
     full = "float32" if args.device == "cpu" else "bf16"
-    k = args.eval_samples
-    rows = "\n".join(f"| {h['step']} | {h['greedy']:.3f} | {h['pass@1_t1']:.3f} | {h[f'pass@{k}_t1']:.3f} |"
+    kh = args.eval_samples
+    rows = "\n".join(f"| {h['step']} | {h['greedy']:.3f} | {h['pass@1_t1']:.3f} | {h[f'pass@{kh}_t1']:.3f} |"
                       for h in meta["history"])
     return f"""# tiny: the bundled policy
 
@@ -427,7 +429,7 @@ sharpening (less sampling noise), not new arithmetic.
 
 During training (first 200 held-out problems):
 
-| step | greedy | pass@1 (T=1) | pass@{k} (T=1) |
+| step | greedy | pass@1 (T=1) | pass@{kh} (T=1) |
 | --- | --- | --- | --- |
 {rows}
 

@@ -142,3 +142,8 @@ def test_training_learns_and_is_reproducible(tmp_path):
     tok = AutoTokenizer.from_pretrained(tmp_path / "a")
     assert m.config.num_key_value_heads == 1 and len(tok) == 320
     assert (tmp_path / "a" / "README.md").read_text().count("|") > 10
+    # --report-only re-measures with its own sample count; the training history keeps the old one
+    again = tiny.main(tiny.parse_args(["--out", str(tmp_path / "a"), "--report-only", "--eval-size", "4",
+                                       "--eval-samples", "3", "--device", "cpu"]))
+    assert set(again["final"]["nvfp4"]) == {"greedy", "pass@1_t1", "pass@3_t1", "seconds"}
+    assert "pass@3 (T=1)" in (tmp_path / "a" / "README.md").read_text()
