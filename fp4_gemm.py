@@ -117,6 +117,8 @@ except ImportError:  # the torch path still works
 BACKENDS = ("auto", "torch", "triton")
 KERNELS = (None, "mma", "gemv", "tiled", "dequant")
 _choice = {"backend": os.environ.get("QERL_FP4_BACKEND", "auto"), "kernel": None}
+if _choice["backend"] not in BACKENDS:  # a typo would otherwise act as "auto"
+    raise ValueError(f"QERL_FP4_BACKEND={_choice['backend']!r}: use one of {BACKENDS}")
 
 
 def set_backend(name="auto", kernel=None):

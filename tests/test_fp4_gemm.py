@@ -259,6 +259,11 @@ def test_backend_choice(monkeypatch):
     with pytest.raises(ValueError):
         fp4_gemm.set_backend("cutlass")
     assert fp4_gemm._choice["backend"] in fp4_gemm.BACKENDS
+    # the environment variable is checked as strictly, at import
+    import subprocess
+    env = dict(os.environ, QERL_FP4_BACKEND="tritn")
+    r = subprocess.run([sys.executable, "-c", "import fp4_gemm"], cwd=Path(fp4_gemm.__file__).parent, env=env, capture_output=True, text=True)
+    assert r.returncode != 0 and "QERL_FP4_BACKEND='tritn'" in r.stderr
 
 
 def test_shape_errors():
