@@ -63,6 +63,9 @@ Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
   dtype, bit-identical to nvfp4.dequantize (same float32 arithmetic), and cuBLAS multiplies; the copy
   dies right after. 0.73-0.81x cuBLAS at M = 1024, 0.75-0.93x at M = 4096 (the spread of three
   runs): the cost is writing and re-reading the bf16 weight (~100 us for gate/up).
+- A side product riding along (rollout's LoRA A's, `fp4_linear_side`): extra programs of the mma
+  launch compute x @ A^T for a small bf16 A, split over K with the same ticketed sum, so decode pays
+  one launch a projection instead of two (`small_linear` is the same product as a launch of its own).
 - dX backward (dY @ W): dequant + cuBLAS for M > 128 (0.82-0.97x at M = 4096), the tiled kernel
   transposed (same tile decoder) below. Either way at most one layer's dequantized weight is alive,
   never a bf16 copy of the model.
@@ -525,6 +528,55 @@ if HAS_TRITON:
                  mask=mask)
 
 
+    # ---- a small dense product riding along: x (M <= 16 rows) @ A^T for a LoRA A -------------------
+
+    @triton.jit
+    def _small_part(x_ptr, a_ptr, out_ptr, part_ptr, lock_ptr, M, K, SR, stride_xm, pid_m, tile, chunk, k_split,
+                    lock, SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
+        """One program of out (M, SR) = x (M, K) @ A^T (SR, K): rows 16·pid_m.., columns 16·tile.., over the
+        K chunk `chunk` (k_split wide; an empty chunk adds zeros). With SPLIT chunks a tile, each program
+        stores an fp32 partial; the last to arrive (an atomic ticket on counter `lock`, as the mma
+        kernel's split-K) sums them in chunk order (deterministic) and writes `out` in its dtype.
+        F32: dot in fp32 (fp32 x, or the interpreter, which multiplies 16-bit dot operands as raw bits)."""
+        rows = pid_m * 16 + tl.arange(0, 16)
+        cols = tile * 16 + tl.arange(0, 16)
+        rm = rows < M
+        cm = cols < SR
+        acc = tl.zeros((16, 16), tl.float32)
+        k_lo = chunk * k_split
+        for k0 in range(k_lo, tl.minimum(k_lo + k_split, K), BK):
+            k = k0 + tl.arange(0, BK)
+            km = k < K
+            xt = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+            at = tl.load(a_ptr + cols[:, None] * K + k[None, :], mask=cm[:, None] & km[None, :], other=0.0)
+            if F32:
+                acc = tl.dot(xt.to(tl.float32), tl.trans(at.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xt, tl.trans(at), acc)  # (16, 16)
+        out = out_ptr + rows[:, None] * SR + cols[None, :]
+        mask = rm[:, None] & cm[None, :]
+        if SPLIT == 1:
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            part = part_ptr + (rows[:, None] * SR + cols[None, :])  # (16, 16); chunk c at + c·M·SR
+            tl.store(part + chunk * M * SR, acc, mask=mask)
+            tl.debug_barrier()  # the whole partial is written before the ticket is taken
+            if tl.atomic_add(lock_ptr + lock, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+                ss = tl.arange(0, SPLIT_PAD)[:, None, None]
+                p = tl.load(part[None] + ss * M * SR, mask=(ss < SPLIT) & mask[None], other=0.0, cache_modifier=".cg")
+                tl.store(out, tl.sum(p, axis=0).to(out_ptr.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(lock_ptr + lock, 0, sem="relaxed", scope="gpu")
+
+    @triton.jit
+    def _small_kernel(x_ptr, a_ptr, out_ptr, part_ptr, lock_ptr, M, K, SR, stride_xm, k_split, SPLIT: tl.constexpr,
+                      SPLIT_PAD: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
+        """Program (column tile, K chunk, row tile) of small_linear."""
+        tile = tl.program_id(0)
+        pid_m = tl.program_id(2)
+        _small_part(x_ptr, a_ptr, out_ptr, part_ptr, lock_ptr, M, K, SR, stride_xm, pid_m, tile, tl.program_id(1),
+                    k_split, pid_m * tl.num_programs(0) + tile, SPLIT, SPLIT_PAD, BK, F32)
+
+
     # ---- the tensor-core GEMV (up to 8 rows of x a program): Marlin's idea as one PTX block ----
     #
     # mma.sync m16n8k16 multiplies a 16 x 16 tile A (weight rows x k) by a 16 x 8 tile B (k x tokens) with
@@ -679,16 +731,28 @@ if HAS_TRITON:
 
     @triton.jit
     def _mma_kernel(x_ptr, wp_ptr, ws_ptr, gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, stride_xm, stride_ym,
-                    stride_wn, stride_sn, k_split, ROW_TILES: tl.constexpr, NUM_WARPS: tl.constexpr,
-                    SPLIT_K: tl.constexpr, GS_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                    USE_ASM: tl.constexpr, F16: tl.constexpr):
+                    stride_wn, stride_sn, k_split, side_ptr, side_out_ptr, side_part_ptr, SR, n_w, side_k_split,
+                    ROW_TILES: tl.constexpr, NUM_WARPS: tl.constexpr, SPLIT_K: tl.constexpr, GS_PER_ROW: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, F16: tl.constexpr,
+                    SIDE_COLS: tl.constexpr, SIDE_SPLIT: tl.constexpr, SIDE_PAD: tl.constexpr, SIDE_F32: tl.constexpr):
         """Program (n, m, s): 16 * NUM_WARPS * ROW_TILES weight rows, x rows 8m..8m+7, K split s, k-steps
         of 256. Tensors are (row tile, lane, 4) with the 4 contiguous on the last axis: Triton lays such
         a load out one lane per axis-1 index (16 bytes each), which is the MMA's lane numbering.
-        stride_wn is in 32-bit words, stride_xm in pairs of x, stride_sn in bytes."""
+        stride_wn is in 32-bit words, stride_xm in pairs of x, stride_sn in bytes.
+        SIDE_COLS > 0 (M <= 8): programs n >= n_w compute the side product x @ side^T instead, SIDE_COLS
+        programs a 16-column tile along axis 0 times SPLIT_K along axis 2, one K chunk each (_small_part).
+        (Placed first along axis 0 instead, so that they start early, they made the launch slower.)"""
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_k = tl.program_id(2)
+        if SIDE_COLS > 0:
+            if pid_n >= n_w:
+                e = pid_n - n_w
+                tile = e // SIDE_COLS  # its ticket counter n_w + tile: the weight tiles' are m · programs + n < n_w
+                _small_part(x_ptr, side_ptr, side_out_ptr, side_part_ptr, lock_ptr, M, K, SR, 2 * stride_xm, 0,
+                            tile, (e % SIDE_COLS) * SPLIT_K + pid_k, side_k_split, n_w + tile, SIDE_SPLIT,
+                            SIDE_PAD, 256, SIDE_F32)
+                return
         L: tl.constexpr = 32 * NUM_WARPS
         lane = tl.arange(0, L)
         g = (lane % 32) // 4
@@ -881,13 +945,48 @@ def _tile_opts(x, plan):
                 USE_ASM=plan.get("asm", True) and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16))
 
 
-def triton_linear(x2, packed, scale_u8, gs, bias, plan=None):
-    """y (M, N) = x2 (M, K) @ W^T (+ bias) on the Triton path; `plan` overrides plan_forward."""
+def _small_split(K, bk=256):
+    """K chunks for small_linear: whole blocks of bk, at most 32 chunks (tens of programs share A)."""
+    split = min(32, triton.cdiv(K, bk))
+    k_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
+    return triton.cdiv(K, k_split), k_split
+
+
+def small_linear(x2, A, bk=256):
+    """x2 (M, K) @ A^T (SR, K) for a handful of rows (decode: M <= 16) and a small dense A (a LoRA A)
+    in one launch: K split in whole blocks of bk (at most 32 chunks, so tens of programs share A's bytes),
+    the last program of a tile sums the fp32 partials in order (deterministic). cuBLAS takes two
+    launches here (a split-K GEMM and a reduce). x2 and A share a dtype, as does the result."""
+    x2, A = x2.contiguous(), A.contiguous()
+    M, K = x2.shape
+    SR = A.shape[0]
+    split, k_split = _small_split(K, bk)
+    out = torch.empty(M, SR, dtype=x2.dtype, device=x2.device)
+    part = torch.empty(split, M, SR, dtype=torch.float32, device=x2.device) if split > 1 else out
+    grid = (triton.cdiv(SR, 16), split, triton.cdiv(M, 16))
+    _kernels(x2.device)._small_kernel[grid](x2, A, out, part, _locks(x2.device), M, K, SR, x2.stride(0), k_split,
+                                            SPLIT=split, SPLIT_PAD=triton.next_power_of_2(split), BK=bk,
+                                            F32=x2.dtype == torch.float32 or not x2.is_cuda, num_warps=4)
+    return out
+
+
+def side_linear(x2, side):
+    """x2 @ side^T on the Triton path with no weight to ride along with: small_linear for up to 16 rows,
+    cuBLAS above (its tiles are then big enough)."""
+    return small_linear(x2, side) if x2.shape[0] <= 16 else torch.nn.functional.linear(x2, side)
+
+
+def triton_linear(x2, packed, scale_u8, gs, bias, plan=None, side=None):
+    """y (M, N) = x2 (M, K) @ W^T (+ bias) on the Triton path; `plan` overrides plan_forward.
+    side: an optional small (SR, K) matrix in x2's dtype (rollout's LoRA A's); then returns (y, x2 @
+    side^T), both from one launch when the mma kernel serves (M <= 8), else side_linear's."""
     M, K = x2.shape
     N = packed.shape[0]
     plan = plan or plan_forward(M, N, K, x2.dtype, x2.device)
     if plan["kernel"] == "mma" and not _mma_fits(x2, packed):
         plan = plan_forward(M, N, K, x2.dtype, x2.device, mma=False)
+    if side is not None and (plan["kernel"] != "mma" or M == 0):
+        return triton_linear(x2, packed, scale_u8, gs, bias, plan), side_linear(x2, side)
     y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     if M == 0:
         return y
@@ -904,15 +1003,29 @@ def triton_linear(x2, packed, scale_u8, gs, bias, plan=None):
     flags = dict(SPLIT_K=split, GS_PER_ROW=gs.numel() > 1, HAS_BIAS=bias is not None)
     if plan["kernel"] == "mma":
         nw, rt = plan["num_warps"], plan["ROW_TILES"]
-        grid = (triton.cdiv(N, 16 * nw * rt), triton.cdiv(M, 8), split)
+        n_w = triton.cdiv(N, 16 * nw * rt)
+        grid = [n_w, triton.cdiv(M, 8), split]
+        # The side product's programs follow the weight's along axis 0: its K chunks (as small_linear's,
+        # rounded up to a multiple of the weight's split) spread over `cols` columns a tile x the split axis.
+        sa, sout, spart, sr, sk, cols, sside = gs, gs, gs, 0, 0, 0, 1
+        if side is not None:
+            sr, cols = side.shape[0], triton.cdiv(_small_split(K)[0], split)
+            sside = cols * split
+            sk = triton.cdiv(triton.cdiv(K, sside), 256) * 256
+            sa, sout = side.contiguous(), torch.empty(M, sr, dtype=x2.dtype, device=x2.device)
+            spart = torch.empty(sside, M, sr, dtype=torch.float32, device=x2.device) if sside > 1 else sout
+            grid[0] += triton.cdiv(sr, 16) * cols
         if grid[0] * grid[1] > _LOCKS:
             raise ValueError(f"fp4_linear: {grid[0] * grid[1]} output tiles exceed the split-K counters ({_LOCKS})")
-        ker._mma_kernel[grid](x2, packed, scale_u8, gs, bias_arg, y, part, _locks(x2.device), M, N, K,
-                              x2.stride(0) // 2, y.stride(0), packed.stride(0) // 4, scale_u8.stride(0), k_split,
-                              ROW_TILES=rt, NUM_WARPS=nw, EVEN_K=K % 256 == 0 and k_split % 256 == 0,
-                              USE_ASM=x2.is_cuda and plan.get("asm", True), F16=x2.dtype == torch.float16,
-                              num_warps=nw, num_stages=plan.get("num_stages", 1), **flags)
-        return y  # (the mma kernel reduces its own split-K partials)
+        ker._mma_kernel[tuple(grid)](x2, packed, scale_u8, gs, bias_arg, y, part, _locks(x2.device), M, N, K,
+                                     x2.stride(0) // 2, y.stride(0), packed.stride(0) // 4, scale_u8.stride(0),
+                                     k_split, sa, sout, spart, sr, n_w, sk, ROW_TILES=rt, NUM_WARPS=nw,
+                                     EVEN_K=K % 256 == 0 and k_split % 256 == 0,
+                                     USE_ASM=x2.is_cuda and plan.get("asm", True), F16=x2.dtype == torch.float16,
+                                     SIDE_COLS=cols, SIDE_SPLIT=sside, SIDE_PAD=triton.next_power_of_2(sside),
+                                     SIDE_F32=not x2.is_cuda,
+                                     num_warps=nw, num_stages=plan.get("num_stages", 1), **flags)
+        return (y, sout) if side is not None else y  # (the mma kernel reduces its own split-K partials)
     args = (x2, packed, scale_u8, gs, bias_arg, y, part, M, N, K, x2.stride(0), y.stride(0), packed.stride(0),
             scale_u8.stride(0), k_split)
     common = dict(EVEN_K=k_split * split == K, **flags, **_launch_opts(plan))
@@ -1019,6 +1132,21 @@ def _backward(ctx, grad):
 
 
 _fp4_linear_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def fp4_linear_side(x, q, bias, side):
+    """Decode's (x @ dequantize(q).T + bias, x @ side.T) for 2-D x and a small dense side (SR, K) in x's
+    dtype (rollout: a group's LoRA A's). With the mma kernel (M <= 8 rows on the GPU) both come from one
+    launch, the side's programs after the weight's: on the Qwen2.5-7B shapes the launch takes 0.4-3 us
+    longer than the GEMM alone, where a launch of small_linear of its own took 4.2-8.2 us (H200,
+    results/rollout_h200.md). Not differentiable (rollout only)."""
+    _check(x, q.packed, q.scale, q.global_scale)
+    if x.dim() != 2 or side.shape[1] != x.shape[1] or side.dtype != x.dtype:
+        raise ValueError(f"fp4_linear_side: x {tuple(x.shape)} {x.dtype} against side {tuple(side.shape)} {side.dtype}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    if _use_triton(x):
+        return triton_linear(x, q.packed, q.scale.view(torch.uint8), q.global_scale.float(), bias, side=side)
+    return _torch_linear(x, q.packed, q.scale, q.global_scale, bias), torch.nn.functional.linear(x, side)
 
 
 def fp4_linear(x, q, bias=None):

@@ -29,25 +29,28 @@ max_new_tokens − 1 times and looks at the device only every few steps (to stop
 has finished). The step per layer, with the launches it costs:
 
     h       = add_rmsnorm(x, delta, w1)              1   residual add + RMSNorm (Triton)
-    qkv     = fused q|k|v GEMM (+ bias)              1   QuantLinear.concat, or one cat'ed bf16 weight
-    a       = h @ [A_q; A_k; A_v]^T                  1   the three LoRA A's side by side (_lora_a_kernel:
-                                                         split K, the last program sums the partials)
+    qkv, a  = fused q|k|v GEMM (+ bias),             1   QuantLinear.concat, or one cat'ed bf16 weight;
+              a = h @ [A_q; A_k; A_v]^T             (+1)  the three LoRA A's side by side, in the GEMM's
+                                                         launch for NVFP4 (fp4_gemm.fp4_linear_side)
     q, k, v = rope_write(qkv + a·B^T)                1   LoRA B, rotary embedding, K/V into the cache
     o       = attention(q, cache) (split + combine)  2
-    delta   = o_proj(o) + (o @ A_o^T) @ B_o^T         3   base GEMM, LoRA A, LoRA B fused with the add (addmm)
+    delta   = o_proj(o) + (o @ A_o^T) @ B_o^T      2 (+1) base GEMM with LoRA A, LoRA B fused with the add
+                                                         (addmm)
     h       = add_rmsnorm(x, delta, w2)              1
-    gu      = fused gate|up GEMM                     1
-    a       = h @ [A_g; A_u]^T                       1
+    gu, a   = fused gate|up GEMM, h @ [A_g; A_u]^T   1 (+1)
     act     = silu_mul(gu + a·B^T)                   1   LoRA B, SiLU, product
-    delta   = down(act) + LoRA                       3
+    delta   = down(act) + LoRA                     2 (+1)
 
-so 16 launches a layer (454 a step for Qwen2.5-7B, counted by the profiler; above 16 rows the LoRA-A
-products go to cuBLAS, whose tiles are then big enough). LoRA stays unmerged (the adapters change
-every RL step; merging would mean re-quantizing the base): its A's and B's are copied at the start
-of every generate() call, in the model's dtype and with alpha/r folded into B, into buffers the graph
-reads. AQN (aqn.py) perturbs the RMSNorm weights in place; the step reads those weights where they
-live, so the noise is active in the graph too. The base GEMMs are fp4_gemm's kernels (or cuBLAS for a
-bf16 base), unchanged.
+so 12 launches a layer for an NVFP4 base at up to 8 rows (342 a step for Qwen2.5-7B), 16 otherwise
+(the (+1)s: the LoRA A products as launches of their own, fp4_gemm.small_linear up to 16 rows, whose
+split K ends with the last program summing the partials, and cuBLAS above, whose tiles are then big
+enough).
+
+LoRA stays unmerged (the adapters change every RL step; merging would mean re-quantizing the base):
+its A's and B's are copied at the start of every generate() call, in the model's dtype and with
+alpha/r folded into B, into buffers the graph reads. AQN (aqn.py) perturbs the RMSNorm weights in
+place; the step reads those weights where they live, so the noise is active in the graph too. The
+base GEMMs are fp4_gemm's kernels (or cuBLAS for a bf16 base), unchanged.
 
 Sampling, inside the graph. With z = logits / T (float32):
 
@@ -379,64 +382,6 @@ def _silu_mul_kernel(gu_ptr, a_ptr, b_ptr, out_ptr, M, I, A_STRIDE, R: tl.conste
     u = u.to(dt).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # F.silu in the model dtype, then the product
     tl.store(out_ptr + rows[:, None] * I + cols[None, :], (act * u).to(dt), mask=mk)
-
-
-@_jit
-def _lora_a_kernel(x_ptr, a_ptr, part_ptr, out_ptr, lock_ptr, M, K, SR, stride_xm, k_split, BM: tl.constexpr,
-                   BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr,
-                   PREC: tl.constexpr):
-    """Program (column tile of a, K split s, row tile): a = x (M, K) @ A^T (SR, K) for a few rows of x,
-    split over K so that tens of programs share A's bytes. Each program stores its fp32 partial; the last
-    one of a tile to arrive (an atomic ticket, as fp4_gemm's mma kernel) sums the SPLIT partials (one
-    load of all of them, a fixed reduction order: deterministic) and writes `a` in the model dtype. One
-    launch where cuBLAS takes two (its split-K GEMM + a reduce kernel)."""
-    pid_n = tl.program_id(0)
-    s = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    rows = pid_m * BM + tl.arange(0, BM)
-    cols = pid_n * BN + tl.arange(0, BN)
-    rm = rows < M
-    cm = cols < SR
-    acc = tl.zeros((BM, BN), tl.float32)
-    k_lo = s * k_split
-    for k0 in range(k_lo, tl.minimum(k_lo + k_split, K), BK):
-        k = k0 + tl.arange(0, BK)
-        km = k < K
-        xt = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)
-        at = tl.load(a_ptr + cols[:, None] * K + k[None, :], mask=cm[:, None] & km[None, :], other=0.0)
-        acc = tl.dot(xt, tl.trans(at), acc, input_precision=PREC)  # (BM, BN)
-    out = out_ptr + rows[:, None] * SR + cols[None, :]
-    mask = rm[:, None] & cm[None, :]
-    if SPLIT == 1:
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        part = part_ptr + (rows[:, None] * SR + cols[None, :])  # (BM, BN); split s at + s·M·SR
-        tl.store(part + s * M * SR, acc, mask=mask)
-        tl.debug_barrier()  # the whole partial is written before the ticket is taken
-        tile = pid_m * tl.num_programs(0) + pid_n
-        if tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
-            ss = tl.arange(0, SPLIT_PAD)[:, None, None]
-            p = tl.load(part[None] + ss * M * SR, mask=(ss < SPLIT) & mask[None], other=0.0, cache_modifier=".cg")
-            tl.store(out, tl.sum(p, axis=0).to(out_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(lock_ptr + tile, 0, sem="relaxed", scope="gpu")
-
-
-def lora_a_triton(x, A, prec="tf32", bk=256):
-    """x (M, K) @ A^T (SR, K) with _lora_a_kernel, for decode batches (M <= 16: one row tile): K split
-    in whole blocks of 256 (at most 32 splits), so a program reads 16 rows of A over 256-768 k on the
-    Qwen2.5 shapes. x and A share a dtype, as does the result."""
-    x = x.contiguous()
-    M, K = x.shape
-    SR = A.shape[0]
-    split = min(32, triton.cdiv(K, bk))
-    k_split = triton.cdiv(triton.cdiv(K, split), bk) * bk  # whole BK blocks a split
-    split = triton.cdiv(K, k_split)
-    out = torch.empty(M, SR, dtype=x.dtype, device=x.device)
-    part = torch.empty(split, M, SR, dtype=torch.float32, device=x.device) if split > 1 else out
-    _lora_a_kernel[(triton.cdiv(SR, 16), split, triton.cdiv(M, 16))](
-        x, A, part, out, fp4_gemm._locks(x.device), M, K, SR, x.stride(0), k_split, BM=16, BN=16, BK=bk,
-        SPLIT=split, SPLIT_PAD=_pow2(split), PREC=prec, num_warps=4)
-    return out
 
 
 @_jit
@@ -799,19 +744,20 @@ class Decoder:
             u = u + a[:, grp.R:] @ bu.t()
         return F.silu(g) * u
 
-    def lora_a(self, grp, x):
-        """a = x @ A^T (M, sections·R) of a group's adapters, or None without LoRA. Decode batches (M <= 16)
-        take _lora_a_kernel; larger ones cuBLAS (whose tiles are then big enough)."""
+    def gemm(self, grp, x):
+        """A group's base GEMM and a = x @ A^T (M, sections·R) of its adapters (None without LoRA). An
+        NVFP4 group at decode computes a in the GEMM's own launch (fp4_gemm.fp4_linear_side); otherwise
+        decode batches (M <= 16) take fp4_gemm.small_linear, larger ones cuBLAS."""
         if not grp.R:
-            return None
-        if self.triton and x.shape[0] <= 16:
-            return lora_a_triton(x, grp.A, self.prec)
-        return F.linear(x, grp.A)  # (M, sections·R)
+            return grp.gemm(x), None
+        if self.triton and isinstance(grp.gemm, fp4_gemm.QuantLinear):
+            return fp4_gemm.fp4_linear_side(x, grp.gemm.q, grp.gemm.bias, grp.A)
+        return grp.gemm(x), fp4_gemm.side_linear(x, grp.A) if self.triton else F.linear(x, grp.A)
 
     def project(self, grp, x):
         """A single-linear group (o, down): base GEMM + LoRA, the B product fused with the add."""
-        y = grp.gemm(x)
-        return torch.addmm(y, self.lora_a(grp, x), grp.B.t()) if grp.R else y
+        y, a = self.gemm(grp, x)
+        return torch.addmm(y, a, grp.B.t()) if grp.R else y
 
     def sample(self, logits, st, sp):
         """logits (N, V) → the step's token and logprob into st.out_*, next input st.tok, stop flags."""
@@ -853,10 +799,10 @@ class Decoder:
         terms = None if self.triton else self.step_terms(st)
         for i, L in enumerate(self.layers):
             x, h = self.add_rmsnorm(x, delta, L.ln1)
-            q = self.rope_write(L.qkv.gemm(h), self.lora_a(L.qkv, h), L.qkv, st, i, terms)  # (N, Hq, D)
+            q = self.rope_write(*self.gemm(L.qkv, h), L.qkv, st, i, terms)  # (N, Hq, D)
             delta = self.project(L.o, self.attention(q, st, i, terms))  # (N, H)
             x, h = self.add_rmsnorm(x, delta, L.ln2)
-            act = self.silu_mul(L.gu.gemm(h), self.lora_a(L.gu, h), L.gu)  # (N, I)
+            act = self.silu_mul(*self.gemm(L.gu, h), L.gu)  # (N, I)
             delta = self.project(L.down, act)
         _, h = self.add_rmsnorm(x, delta, m.norm)
         self.sample(m.lm_head(h), st, sp)

@@ -186,22 +186,6 @@ def test_samples_share_the_prompt_prefill(hf_folder):
     assert r.tokens.shape[0] == 15 and seen[1:] == [(15,)] * 3  # then one decode step of all rows per token
 
 
-@interpreted
-@pytest.mark.parametrize("M,K,SR", [(1, 272, 16), (3, 1000, 48), (16, 48, 40), (17, 300, 16)])
-def test_lora_a_kernel_against_float64(M, K, SR):
-    """The decode LoRA-A kernel (split K, the last program of a tile sums the partials) at odd shapes:
-    rows past M, columns past SR, a K tail, one split (K = 48) and several; the ticket
-    counters back at zero and a second call bit-identical (deterministic order)."""
-    g = torch.Generator().manual_seed(M * K + SR)
-    x, A = torch.randn(M, K, generator=g), torch.randn(SR, K, generator=g)
-    locks = rollout.fp4_gemm._locks(x.device)
-    got = rollout.lora_a_triton(x, A, prec="ieee")
-    ref = x.double() @ A.double().t()
-    assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-4)
-    assert torch.equal(rollout.lora_a_triton(x, A, prec="ieee"), got)
-    assert not locks.any()
-
-
 def test_sampler_draws_from_the_softmax():
     """Gumbel-max with the hash RNG: empirical frequencies match softmax(z / T), and top-k / top-p
     renormalize inside their sets."""
@@ -254,3 +238,32 @@ def test_gpu_graphs_and_kernels_match_eager_torch(hf_folder):
         z = full_forward_z(model, prompts[i // 3], comp, 0.9)
         lp = torch.log_softmax(z, -1).gather(1, torch.tensor(comp, device=z.device)[:, None])[:, 0]
         assert (fast.logprobs[i, : len(comp)].double() - lp).abs().max() <= 1e-3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n", [1, 2])
+def test_gpu_nvfp4_lora_decode_in_bf16(hf_folder, n):
+    """The bf16 NVFP4 decode of up to 8 rows, where each base GEMM computes its LoRA A product in the same
+    launch (fp4_gemm.fp4_linear_side): logprobs match one full forward with the adapters (to bf16
+    rounding) far better than they match the model without them."""
+    hf, folder = hf_folder("qwen2", seed=11, **{**CFG, "hidden_size": 256, "num_attention_heads": 4,
+                                                 "num_key_value_heads": 2, "intermediate_size": 512})
+    model = M.Transformer.from_pretrained(folder, dtype=torch.bfloat16, device="cuda", quantize=True)
+    lora.apply_lora(model, rank=8, alpha=16)
+    with torch.no_grad():
+        for m in lora.lora_modules(model).values():
+            m.lora_B.weight.normal_(0, 0.2)
+    prompts = prompts_of([13, 4, 30, 7][: 8 // n], 97, seed=12)
+    r = rollout.generate(model, prompts, n=n, max_new_tokens=24, temperature=1.0, seed=3, kernels="triton",
+                         graphs=True)
+    err, effect = [], []
+    for i, comp in rows(r):
+        idx = torch.tensor(comp, device="cuda")[:, None]
+        lp = torch.log_softmax(full_forward_z(model, prompts[i // n], comp, 1.0), -1).gather(1, idx)[:, 0]
+        with lora.disable_adapters(model):
+            lp0 = torch.log_softmax(full_forward_z(model, prompts[i // n], comp, 1.0), -1).gather(1, idx)[:, 0]
+        err.append((r.logprobs[i, : len(comp)].double() - lp).abs())
+        effect.append((lp0 - lp).abs())
+    err, effect = torch.cat(err).mean().item(), torch.cat(effect).mean().item()
+    print(f"n={n}: |decode - full forward| {err:.4f}, |without - with adapters| {effect:.4f}")
+    assert err < 0.1 * effect
