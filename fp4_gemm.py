@@ -845,9 +845,10 @@ def plan_forward(M, N, K, dtype, device, mma=True):
             kernel = "tiled"
     if kernel == "dequant":
         return dict(kernel="dequant", DQ=(16, 256, 4))
-    if kernel == "mma":  # 64 rows a program; split K (up to 8) until there are ~2000 programs at M = 1,
-        split = 1  # ~500 above (measured best on the Qwen2.5-7B shapes)
-        while split < 8 and triton.cdiv(N, 64) * split < (2000 if M == 1 else 500):
+    if kernel == "mma":  # 64 rows a program; split K (up to 8, 16 for down_proj's long K at M = 1) until
+        cap = 16 if M == 1 and K >= 8192 else 8  # there are ~2000 programs at M = 1, ~500 above (measured
+        split = 1  # best on the Qwen2.5-7B shapes)
+        while split < cap and triton.cdiv(N, 64) * split < (2000 if M == 1 else 500):
             split *= 2
         return dict(kernel="mma", ROW_TILES=1, num_warps=4, SPLIT_K=split)
     if kernel == "gemv":  # 8 rows a program; split K in two when that still leaves few programs
@@ -1335,7 +1336,7 @@ def _candidates(M, N, K, direction):
     c = []
     if M <= 8:
         for w in (4, 8):
-            for split in (1, 2, 4, 8):
+            for split in (1, 2, 4, 8, 16):
                 c.append(dict(kernel="mma", ROW_TILES=1, num_warps=w, SPLIT_K=split))
     if M == 1:
         for bn, bk, w in ((8, 512, 4), (8, 256, 2), (16, 512, 4), (32, 512, 4)):
