@@ -912,7 +912,7 @@ _lock_buffers = {}
 
 
 def _locks(device):
-    """Split-K tickets for the mma kernel (and rollout's LoRA-A kernel): one int32 counter per output
+    """Split-K tickets for the mma kernel and small_linear: one int32 counter per output
     tile, zero between calls (the last program of a tile resets it). Allocated once per device, so CUDA
     graphs can keep its address. Kernels on two streams at once would share the counters: run these
     kernels on one stream."""
@@ -986,7 +986,7 @@ def triton_linear(x2, packed, scale_u8, gs, bias, plan=None, side=None):
     plan = plan or plan_forward(M, N, K, x2.dtype, x2.device)
     if plan["kernel"] == "mma" and not _mma_fits(x2, packed):
         plan = plan_forward(M, N, K, x2.dtype, x2.device, mma=False)
-    if side is not None and (plan["kernel"] != "mma" or M == 0):
+    if side is not None and (plan["kernel"] != "mma" or not 0 < M <= 8):  # (the side programs cover one row tile)
         return triton_linear(x2, packed, scale_u8, gs, bias, plan), side_linear(x2, side)
     y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     if M == 0:

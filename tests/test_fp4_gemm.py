@@ -181,8 +181,9 @@ def test_small_linear_against_float64(M, K, SR, poisoned):
     # the weight split in 2, the side's 3 chunks spread over 2 columns x 2 splits (one chunk empty)
     (3, 576, 72, 40, dict(kernel="mma", ROW_TILES=1, num_warps=2, SPLIT_K=2)),
     (8, 320, 264, 5, dict(kernel="mma", ROW_TILES=2, num_warps=1, SPLIT_K=2)),
-    # no mma: the side falls back to its own launch
+    # no mma, or more rows than one x tile of it: the side falls back to a launch of its own
     (5, 48, 40, 21, dict(kernel="tiled", BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=4, SPLIT_K=1)),
+    (9, 320, 40, 16, dict(kernel="mma", ROW_TILES=1, num_warps=2, SPLIT_K=2)),
 ])
 def test_side_product_rides_along(M, K, N, SR, plan, poisoned):
     """fp4_linear_side: the side's programs inside the mma launch leave y exactly as the plain launch
