@@ -16,8 +16,12 @@ nn.Linear, or fp4_gemm.QuantLinear, whose backward gives dX = dY · dequant(W) a
 so gradients flow through the 4-bit base into A and B without a bf16 copy of W ever being kept.
 
 Precision. The adapters live in float32 by default (a flag gives bf16): RL updates with lr ~1e-5 are
-smaller than bf16's resolution on a weight of size ~1e-2. The LoRA branch is computed in the
-adapters' dtype and cast to x's dtype before it is added to the base output, as PEFT does.
+smaller than bf16's resolution on a weight of size ~1e-2. The LoRA branch is computed in x's dtype,
+as torch.autocast would: the float32 adapters are the master copy, cast per call (r x K, tiny), and
+their gradients come back in float32. (PEFT without autocast casts x up to the adapters' float32
+instead; on the GPU that made the branch float32 GEMMs without tensor cores plus copies of every
+activation, ~35% of a Qwen2.5-7B update pass on the H200. The rollout computes the branch in bf16
+too, so sampler and trainer now agree on it.)
 
 Reference policy for free. GRPO's KL term needs the base model's log-probabilities. With LoRA the base
 model IS the policy with its adapters switched off, so `with disable_adapters(model):` gives it
@@ -82,8 +86,11 @@ class LoRALinear(nn.Module):
         y = self.base(x)  # (..., N)
         if self.disabled:
             return y
-        h = self.lora_dropout(x.to(self.lora_A.weight.dtype))  # (..., K)
-        return y + (self.lora_B(self.lora_A(h)) * self.scaling).to(y.dtype)  # (..., N)
+        dt = x.dtype
+        a = nn.functional.linear(self.lora_dropout(x), self.lora_A.weight.to(dt))  # (..., r)
+        b = (self.lora_B.weight * self.scaling).to(y.dtype)  # (N, r): scaled here, not the (..., N) output
+        # y + a b^T as one GEMM whose epilogue adds y (no separate passes over the output to scale and add)
+        return torch.addmm(y.reshape(-1, self.out_features), a.reshape(-1, self.rank).to(y.dtype), b.t()).view(y.shape)
 
     def delta_weight(self):
         """scaling * B @ A (N, K) in float32: what merging adds to W."""

@@ -77,9 +77,31 @@ def test_bf16_adapters_on_bf16_base_and_dropout():
     assert y.dtype == torch.bfloat16
     ref = base.weight.double() + 2 * m.lora_B.weight.double() @ m.lora_A.weight.double()
     torch.testing.assert_close(y.double(), x.double() @ ref.T, rtol=3e-2, atol=3e-2)
-    # fp32 adapters on a bf16 input: the branch is fp32, the sum comes back in bf16.
+    # fp32 adapters on a bf16 input: the branch runs in bf16 (no fp32 copy of any activation, forward
+    # or backward), the fp32 adapters get fp32 gradients that match float64 to bf16 rounding.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Sizes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            outs = out if isinstance(out, (tuple, list)) else [out]
+            self.fp32 = max([getattr(self, "fp32", 0)] + [t.numel() for t in outs if isinstance(t, torch.Tensor)
+                                                          and t.dtype == torch.float32])
+            return out
+
     m32 = lora.LoRALinear(base, rank=4, alpha=8, dtype=torch.float32)
-    assert m32(x).dtype == torch.bfloat16
+    with torch.no_grad():
+        m32.lora_B.weight.normal_()
+    xg = torch.randn(64, 32, dtype=torch.bfloat16, requires_grad=True)
+    with Sizes() as sizes:
+        y32 = m32(xg)
+        y32.float().pow(2).sum().backward()
+    assert y32.dtype == torch.bfloat16 and m32.lora_A.weight.grad.dtype == torch.float32
+    assert sizes.fp32 < xg.numel(), "an activation-sized float32 tensor was made"  # (y32.float(): 64 x 24)
+    A, B, W, xd = (t.detach().double() for t in (m32.lora_A.weight, m32.lora_B.weight, base.weight, xg))
+    yd = xd @ W.T + 2 * (xd @ A.T) @ B.T
+    gA = 2 * (B.T @ (2 * yd).T) @ xd  # dL/dA for L = sum(y^2): scaling * B^T dY^T x
+    torch.testing.assert_close(m32.lora_A.weight.grad.double(), gA, rtol=5e-2, atol=5e-2 * gA.abs().max().item())
     # Dropout acts on the LoRA branch only, and only in training mode.
     md = lora.LoRALinear(nn.Linear(32, 24), rank=4, alpha=4, dropout=0.5)
     with torch.no_grad():
