@@ -67,16 +67,6 @@ def ks_for(samples):
     return ks if ks[-1] == samples else ks + [samples]
 
 
-def stop_token_ids(tokenizer):
-    """Every id that ends a chat turn: eos, and Qwen's <|im_end|> / <|endoftext|> when present."""
-    ids = {tokenizer.eos_token_id}
-    for t in ("<|im_end|>", "<|endoftext|>"):
-        i = tokenizer.convert_tokens_to_ids(t)
-        if isinstance(i, int) and i != tokenizer.unk_token_id:
-            ids.add(i)
-    return sorted(i for i in ids if isinstance(i, int) and i >= 0)
-
-
 def _breakdown(records, field):
     """avg@K per value of an item field (MATH500's level / subject), from the per-sample records."""
     hits = defaultdict(list)
@@ -101,6 +91,7 @@ def evaluate(model, tokenizer, items, kind=None, *, samples=1, temperature=0.6, 
     "truncated", "by_level", "by_subject", "seconds", "records"}; records holds one dict a completion
     (item index, sample index, completion text, extracted answer, correct, length, finish)."""
     import rollout
+    from model import stop_token_ids
 
     if not items:
         raise ValueError("evaluate needs at least one item")

@@ -384,3 +384,13 @@ def load_tokenizer(name_or_path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(resolve_model_dir(name_or_path))
+
+
+def stop_token_ids(tokenizer):
+    """Every id that ends a chat turn: eos, and Qwen's <|im_end|> / <|endoftext|> when present."""
+    ids = {tokenizer.eos_token_id}
+    for t in ("<|im_end|>", "<|endoftext|>"):
+        i = tokenizer.convert_tokens_to_ids(t)
+        if isinstance(i, int) and i != tokenizer.unk_token_id:
+            ids.add(i)
+    return sorted(i for i in ids if isinstance(i, int) and i >= 0)

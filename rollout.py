@@ -110,7 +110,7 @@ import torch.nn.functional as F
 
 import fp4_gemm  # imported before triton: on a CPU-only machine it switches Triton's interpreter on
 import lora
-from model import Transformer, load_tokenizer, qwen25_config, rotate_half
+from model import Transformer, load_tokenizer, qwen25_config, rotate_half, stop_token_ids
 
 try:
     import triton
@@ -1205,8 +1205,7 @@ def chat(args):
     model = Transformer.from_pretrained(args.model, dtype=dtype, device=dev, quantize=args.quant == "nvfp4")
     ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True)
     ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    stops = {t for t in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id)
-             if isinstance(t, int) and t >= 0 and t != tok.unk_token_id}
+    stops = set(stop_token_ids(tok))  # the same turn ends as eval.py and train.py use
     print(f"# {args.model} ({args.quant}) on {dev}: {len(ids)} prompt tokens, up to {args.max_new_tokens} new, "
           f"temperature {args.temperature}, top_p {args.top_p}", file=sys.stderr)
     out, shown = [], ""

@@ -47,8 +47,8 @@ import grpo
 import lora
 import rollout
 import tasks
-from eval import evaluate, stop_token_ids
-from model import Transformer, load_tokenizer, resolve_model_dir
+from eval import evaluate
+from model import Transformer, load_tokenizer, resolve_model_dir, stop_token_ids
 
 
 def parse_args(argv=None):

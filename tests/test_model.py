@@ -174,3 +174,13 @@ def test_config_reads_both_rope_layouts():
         M.Config({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(ValueError, match="sliding"):
         M.Config({**base, "use_sliding_window": True})
+
+
+def test_stop_token_ids_of_the_bundled_tokenizer():
+    """The ids that end a turn (eval, train and rollout's chat share them): eos and Qwen's <|im_end|> /
+    <|endoftext|>, each once; a new eos joins them."""
+    tok = M.load_tokenizer("tiny")
+    want = {tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>"), tok.eos_token_id}
+    assert M.stop_token_ids(tok) == sorted(want) and len(want) == 2  # (eos is <|im_end|>)
+    tok.add_special_tokens({"eos_token": "<|zz|>"})
+    assert M.stop_token_ids(tok) == sorted(want | {tok.convert_tokens_to_ids("<|zz|>")})
