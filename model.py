@@ -269,18 +269,24 @@ class Transformer(nn.Module):
         return new
 
     @classmethod
+    def _skeleton(cls, cfg, dtype, quantize):
+        """The model on the meta device (no memory yet), its decoder linears empty QuantLinears when
+        quantize."""
+        with torch.device("meta"):
+            model = cls(cfg, dtype)
+        if quantize:
+            model.swap_linears(lambda name, m: fp4_gemm.QuantLinear(m.in_features, m.out_features, m.bias is not None,
+                                                                     dtype=dtype), fp4_gemm.is_decoder_linear)
+        return model
+
+    @classmethod
     def from_pretrained(cls, name_or_path, dtype=torch.bfloat16, device="cpu", quantize=False):
         """Load an HF Qwen2/Llama folder, alias or hub id. NVFP4 folders load as NVFP4; with
         quantize=True a bf16/fp32 folder is quantized to NVFP4 weight by weight as it loads."""
         folder = resolve_model_dir(name_or_path)
         with open(os.path.join(folder, "config.json")) as f:
             raw = json.load(f)
-        cfg = Config(raw)
-        with torch.device("meta"):
-            model = cls(cfg, dtype)
-        if quantize or nvfp4.is_nvfp4_config(raw):
-            model.swap_linears(lambda name, m: fp4_gemm.QuantLinear(m.in_features, m.out_features, m.bias is not None,
-                                                                     dtype=dtype), fp4_gemm.is_decoder_linear)
+        model = cls._skeleton(Config(raw), dtype, quantize or nvfp4.is_nvfp4_config(raw))
         model.materialize(device)
         load_weights(model, folder, quantize_on_load=quantize and not nvfp4.is_nvfp4_config(raw))
         return model.eval()
@@ -290,11 +296,7 @@ class Transformer(nn.Module):
         """A model of cfg's shape with N(0, std) weights, built layer by layer on `device` (and
         quantized layer by layer with quantize=True): for benchmarks of real shapes without weights."""
         gen = torch.Generator(device=device).manual_seed(seed)
-        with torch.device("meta"):
-            model = cls(cfg, dtype)
-        if quantize:
-            model.swap_linears(lambda name, m: fp4_gemm.QuantLinear(m.in_features, m.out_features, m.bias is not None,
-                                                                     dtype=dtype), fp4_gemm.is_decoder_linear)
+        model = cls._skeleton(cfg, dtype, quantize)
         model.materialize(device)
         for name, m in model.named_modules():
             if isinstance(m, fp4_gemm.QuantLinear):
