@@ -20,7 +20,7 @@ smaller than bf16's resolution on a weight of size ~1e-2. The LoRA branch is com
 as torch.autocast would: the float32 adapters are the master copy, cast per call (r x K, tiny), and
 their gradients come back in float32. (PEFT without autocast casts x up to the adapters' float32
 instead; on the GPU that made the branch float32 GEMMs without tensor cores plus copies of every
-activation, ~35% of a Qwen2.5-7B update pass on the H200. The rollout computes the branch in bf16
+activation, ~25% of a Qwen2.5-7B update pass on the H200. The rollout computes the branch in bf16
 too, so sampler and trainer now agree on it.)
 
 Reference policy for free. GRPO's KL term needs the base model's log-probabilities. With LoRA the base
