@@ -184,3 +184,20 @@ def test_stop_token_ids_of_the_bundled_tokenizer():
     assert M.stop_token_ids(tok) == sorted(want) and len(want) == 2  # (eos is <|im_end|>)
     tok.add_special_tokens({"eos_token": "<|zz|>"})
     assert M.stop_token_ids(tok) == sorted(want | {tok.convert_tokens_to_ids("<|zz|>")})
+
+
+def test_rmsnorm_is_the_float32_formula():
+    """RMSNorm: x / sqrt(mean(x^2) + eps) * w in float32 with the float32 weight, one rounding to x's
+    dtype at the end: bit for bit the spelled-out float32 formula (on CPU), and float64 to rounding."""
+    g = torch.Generator().manual_seed(3)
+    norm = M.RMSNorm(96, 1e-6)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.01, generator=g)  # as after AQN: finer than bf16 could hold
+    for dtype in (torch.bfloat16, torch.float32):
+        x = (torch.randn(4, 7, 96, generator=g) * 3).to(dtype)
+        h = x.float()
+        assert torch.equal(norm(x), (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight).to(dtype))
+        h = x.double()
+        ref = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.double()
+        step = 2**-8 if dtype == torch.bfloat16 else 1e-6
+        assert ((norm(x).double() - ref).abs() <= step * ref.abs() + 1e-12).all()
