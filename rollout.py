@@ -76,22 +76,22 @@ fused op below has its torch reference next to its kernel, and the tests run bot
 through Triton's interpreter).
 
 Measured (H200, Qwen2.5-7B shape, NVFP4 + LoRA r32 + AQN, results/rollout_h200.md): batch 1 runs
-at 3.42 ms a step against a 1.16 ms floor. Of its 3.19 ms of kernel time, fp4_gemm's GEMMs take 1.86
-(3.67 GB at 1.97 TB/s, the tensor-core `mma` kernel), the 112 LoRA-A launches 0.47, cuBLAS 0.39
-(lm_head ~0.25 and the 56 LoRA-B addmm), this file's other kernels 0.48; gaps between the 454
-graphed launches 0.23. Without the graph a step costs ~70 ms (Python and launch overhead; session
-1's measurement). The LoRA-A kernel replaced cuBLAS's split-K GEMM + reduce pair (6.4-7.4 µs a
-product at batch 1, 4.2-6.2 µs now; the step went from 3.75 to 3.42 ms). What remains, in order: the
-fp4 GEMMs at ~2 TB/s instead of ~4 (memory latency and a busy ALU pipe, see fp4_gemm.py), and an fp4
-kernel for 16-64 rows (batch 64 is 0.85x bf16's speed in NVFP4).
+at 3.01 ms a step against a 1.16 ms floor. Of its 2.83 ms of kernel time, fp4_gemm's GEMMs with the
+LoRA-A products riding in them take 1.96 (3.67 GB at 1.87 TB/s, the tensor-core `mma` kernel),
+cuBLAS 0.39 (lm_head ~0.25 and the 56 LoRA-B addmm), this file's other kernels 0.48; gaps between
+the 342 graphed launches 0.18. Without the graph a step costs ~70 ms (Python and launch overhead;
+session 1's measurement). The LoRA-A products as launches of their own cost 4.2-8.2 µs each (0.47 ms
+a step, at 3.42 ms a step), inside the GEMM's launch 0.4-3 µs. What remains, in order: the fp4 GEMMs
+at ~1.9 TB/s instead of ~4 (memory latency and a busy ALU pipe, see fp4_gemm.py), and an fp4 kernel
+for 16-64 rows (batch 64 is 0.87x bf16's speed in NVFP4).
 
 Departures. vLLM (which the official QeRL code uses) pages its KV cache and batches continuously;
 here a batch is static and every row shares the cache's column index (left padding), which keeps the
-kernels simple and the graph fixed. LoRA is computed in the model's dtype with fp32 accumulation
-(lora.py's forward keeps the adapters in fp32): the difference is at the rounding of the bf16
-output. The base weights of q/k/v and gate/up are stacked into one tensor each, once per model; the
-separate linears keep views of their rows, so the stacking costs no memory (`release(model)` frees
-the caches and graphs).
+kernels simple and the graph fixed. LoRA is computed in the model's dtype with fp32 accumulation, as
+lora.py's forward does (its fp32 adapters are the master copy, cast per call): sampler and trainer
+differ only in summation order and where bf16 rounds. The base weights of q/k/v and gate/up are
+stacked into one tensor each, once per model; the separate linears keep views of their rows, so the
+stacking costs no memory (`release(model)` frees the caches and graphs).
 
     python rollout.py --model qwen2.5-7b --prompt "What is 17 * 23?" --quant nvfp4
     python rollout.py --bench                  # the H200 table in results/rollout_h200.md
