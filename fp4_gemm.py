@@ -946,10 +946,15 @@ def _tile_opts(x, plan):
                 USE_ASM=plan.get("asm", True) and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16))
 
 
+def _chunk(K, parts, bk):
+    """The width of each of `parts` K ranges, rounded up to whole blocks of bk (so the last ranges may
+    be short, or empty)."""
+    return triton.cdiv(triton.cdiv(K, parts), bk) * bk
+
+
 def _small_split(K, bk=256):
     """K chunks for small_linear: whole blocks of bk, at most 32 chunks (tens of programs share A)."""
-    split = min(32, triton.cdiv(K, bk))
-    k_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
+    k_split = _chunk(K, min(32, triton.cdiv(K, bk)), bk)
     return triton.cdiv(K, k_split), k_split
 
 
@@ -997,7 +1002,7 @@ def triton_linear(x2, packed, scale_u8, gs, bias, plan=None, side=None):
     ker = _kernels(x2.device)
     split = plan.get("SPLIT_K", 1)
     bk = plan.get("BLOCK_K", 256)  # the mma kernel's k-step is 256
-    k_split = triton.cdiv(triton.cdiv(K, split), bk) * bk  # a whole number of K blocks per split
+    k_split = _chunk(K, split, bk)
     split = triton.cdiv(K, k_split)
     part = torch.empty(split, M, N, dtype=torch.float32, device=x2.device) if split > 1 else y
     bias_arg = bias if bias is not None else gs
@@ -1012,7 +1017,7 @@ def triton_linear(x2, packed, scale_u8, gs, bias, plan=None, side=None):
         if side is not None:
             sr, cols = side.shape[0], triton.cdiv(_small_split(K)[0], split)
             sside = cols * split
-            sk = triton.cdiv(triton.cdiv(K, sside), 256) * 256
+            sk = _chunk(K, sside, 256)
             sa, sout = side.contiguous(), torch.empty(M, sr, dtype=x2.dtype, device=x2.device)
             spart = torch.empty(sside, M, sr, dtype=torch.float32, device=x2.device) if sside > 1 else sout
             grid[0] += triton.cdiv(sr, 16) * cols
