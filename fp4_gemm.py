@@ -42,17 +42,20 @@ Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
   k a column stands for is free as long as both operands agree: so each lane loads 16-byte pieces of
   its own two weight rows, decodes them in one PTX block (bit moves + one bf16x2/f16x2 multiply by
   the block scale: exact e2m1 * s * 2^-8) and feeds them to mma.sync together with x loaded at the
-  same k, with no data crossing lanes and fp32 accumulation. Triton lays a (tile, lane, 4 words)
+  same k, with no data crossing lanes and fp32 accumulation. Triton lays a (lane, tile, 4 words)
   load out one lane per index, which is what makes this expressible; the interpreter runs a
   plain-Triton model of the PTX block (the exchange between lanes written as reshapes), and a GPU
   test checks the two agree. Split-K programs leave fp32 partials and the last one to finish a
   tile (an atomic ticket) sums them in order: deterministic, and no second launch. 1.6-2.4x cuBLAS
-  bf16 at M = 1 (gate/up 2.25 TB/s), 1.2-1.6x at M = 8. What bounds it (Nsight Compute, and the
-  experiments in results/fp4_gemm_h200.md): at M = 1 a mix of memory latency with few warps in flight
-  and a busy ALU pipe (~70%; a repacked layout with a quarter fewer ALU instructions did not change
-  the time, nor did prefetching), at M = 8 the L1 traffic of x (each lane reads 16-byte pieces of x
-  128 bytes apart; the repacked layout made those reads contiguous and ran up to 1.4x faster, but
-  every other kernel would have to read it too).
+  bf16 at M = 1 (gate/up 2.25 TB/s), 1.4-2.0x at M = 8, where the wide layers give each warp two row
+  tiles (the x a lane loads serves both). What bounds it (Nsight Compute, and the experiments in
+  results/fp4_gemm_h200.md): at M = 1 a mix of memory latency with few warps in flight and a busy ALU
+  pipe (~70%; a repacked layout with a quarter fewer ALU instructions did not change the time, nor did
+  prefetching), at M = 8 the L1 traffic of x (each lane reads 16-byte pieces of x 128 bytes apart;
+  a repacked layout, or lanes holding interleaved k, make those reads contiguous, but the first needs
+  every other kernel to read it too and the second costs M = 1 a sixth: both measured and dropped).
+  More rows of x per program (decoded weights reused by 2-8 groups of 8 tokens) lost to the tiled
+  kernel from 32 rows on: every warp reads all of x itself, with no shared memory to share it.
 - gemv (M = 1 with fp32 x): a program owns 8 weight rows and walks K in steps of 512 with 16-byte
   loads of packed codes, multiply-adding in fp32; optional split-K with a reduce kernel.
 - tiled (2 <= M <= 128 where mma does not serve): fused dequantize + tl.dot tiles (BM = 16, 32 or 64),
@@ -664,8 +667,13 @@ if HAS_TRITON:
     def _mma_half_reference(qt, qb, st, sb, xw0, xw1, xw2, xw3, HALF: tl.constexpr, NUM_WARPS: tl.constexpr,
                             ROW_TILES: tl.constexpr, F16: tl.constexpr):
         """What one PTX block adds to the accumulator, in plain Triton (for the interpreter): the same
-        lane layout, the exchange between lanes done by reshapes. qt, qb (R, L, 4) words; st, sb (R, L, 4)
-        scale bytes; xw.. (1, L, 4) x pairs of each word. Returns (R, L, 4): rows g / g+8 at tokens 2t / 2t+1."""
+        lane layout, the exchange between lanes done by reshapes. qt, qb (L, R, 4) words; st, sb (L, R, 4)
+        scale bytes; xw.. (L, 1, 4) x pairs of each word. Returns (L, R, 4): rows g / g+8 at tokens 2t / 2t+1.
+        (Worked in (R, L, 4) order inside.)"""
+        qt, qb = tl.permute(qt, (1, 0, 2)), tl.permute(qb, (1, 0, 2))
+        st, sb = tl.permute(st, (1, 0, 2)), tl.permute(sb, (1, 0, 2))
+        xw0, xw1 = tl.permute(xw0, (1, 0, 2)), tl.permute(xw1, (1, 0, 2))
+        xw2, xw3 = tl.permute(xw2, (1, 0, 2)), tl.permute(xw3, (1, 0, 2))
         x = tl.join(tl.join(xw0, xw2), tl.join(xw1, xw3))  # (1, L, pair, 2, 2): word w at flat index w
         x = tl.permute(tl.reshape(x, (1, 32 * NUM_WARPS, 4, 4)), (0, 1, 3, 2))  # (1, L, word, pair)
         if F16:
@@ -676,8 +684,9 @@ if HAS_TRITON:
         top_even, top_odd = _mma_rows_reference(qt, st, xv, HALF, NUM_WARPS, ROW_TILES)
         bot_even, bot_odd = _mma_rows_reference(qb, sb, xv, HALF, NUM_WARPS, ROW_TILES)
         # [.., j] = (row g, token 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1): join puts its pair on a new last axis
-        return tl.reshape(tl.join(tl.join(top_even, bot_even), tl.join(top_odd, bot_odd)),
-                          (ROW_TILES, 32 * NUM_WARPS, 4))
+        out = tl.reshape(tl.join(tl.join(top_even, bot_even), tl.join(top_odd, bot_odd)),
+                         (ROW_TILES, 32 * NUM_WARPS, 4))
+        return tl.permute(out, (1, 0, 2))
 
     @triton.jit
     def _mma_half(acc, qt, qb, st, sb, xp, ok, ROW_TILES: tl.constexpr, NUM_WARPS: tl.constexpr,
@@ -686,12 +695,12 @@ if HAS_TRITON:
         then the PTX block (or its plain-Triton model)."""
         L: tl.constexpr = 32 * NUM_WARPS
         j = tl.arange(0, 4)[None, None, :]
-        xw0 = tl.load(xp + j, mask=ok, other=0)  # (1, L, 4): the pairs (x0,x1) .. (x6,x7) of word 0
+        xw0 = tl.load(xp + j, mask=ok, other=0)  # (L, 1, 4): the pairs (x0,x1) .. (x6,x7) of word 0
         xw1 = tl.load(xp + 4 + j, mask=ok, other=0)
         xw2 = tl.load(xp + 8 + j, mask=ok, other=0)
         xw3 = tl.load(xp + 12 + j, mask=ok, other=0)
         if USE_ASM:
-            shape: tl.constexpr = (ROW_TILES, L, 4)
+            shape: tl.constexpr = (L, ROW_TILES, 4)
             args = [qt, qb, st, sb, tl.broadcast_to(xw0, shape), tl.broadcast_to(xw1, shape),
                     tl.broadcast_to(xw2, shape), tl.broadcast_to(xw3, shape), acc]
             acc = tl.inline_asm_elementwise(_ASM_MMA[2 * F16 + HALF], _MMA_CONSTRAINTS, args, dtype=tl.float32,
@@ -718,7 +727,7 @@ if HAS_TRITON:
             st = tl.load(st_ptrs + ks)
             sb = tl.load(sb_ptrs + ks)
         else:
-            k_in = k0 + 64 * t[None, :, None] < K  # (1, L, 1)
+            k_in = k0 + 64 * t[:, None, None] < K  # (L, 1, 1)
             ok = x_ok & k_in
             qt0 = tl.load(qt_ptrs + kw, mask=k_in, other=0)
             qt1 = tl.load(qt_ptrs + kw + 4, mask=k_in, other=0)
@@ -736,8 +745,10 @@ if HAS_TRITON:
                     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, F16: tl.constexpr,
                     SIDE_COLS: tl.constexpr, SIDE_SPLIT: tl.constexpr, SIDE_PAD: tl.constexpr, SIDE_F32: tl.constexpr):
         """Program (n, m, s): 16 * NUM_WARPS * ROW_TILES weight rows, x rows 8m..8m+7, K split s, k-steps
-        of 256. Tensors are (row tile, lane, 4) with the 4 contiguous on the last axis: Triton lays such
-        a load out one lane per axis-1 index (16 bytes each), which is the MMA's lane numbering.
+        of 256. Tensors are (lane, row tile, 4), the 4 contiguous on the last axis: Triton lays such a
+        load out with its threads along the first axis that is not contiguous, one lane per index (16
+        bytes each), which is the MMA's lane numbering, and the row tiles in each lane's registers. (With
+        the row tiles first, Triton spread them over lanes too: ROW_TILES > 1 computed garbage on the GPU.)
         stride_wn is in 32-bit words, stride_xm in pairs of x, stride_sn in bytes.
         SIDE_COLS > 0 (M <= 8): programs n >= n_w compute the side product x @ side^T instead, SIDE_COLS
         programs a 16-column tile along axis 0 times SPLIT_K along axis 2, one K chunk each (_small_part).
@@ -757,39 +768,39 @@ if HAS_TRITON:
         lane = tl.arange(0, L)
         g = (lane % 32) // 4
         t = lane % 4
-        tile = tl.arange(0, ROW_TILES)[:, None] * NUM_WARPS + (lane // 32)[None, :]  # (R, L)
-        row = pid_n * (16 * NUM_WARPS * ROW_TILES) + tile * 16 + g[None, :]  # (R, L): row g of the lane's tile
+        tile = (lane // 32)[:, None] + tl.arange(0, ROW_TILES)[None, :] * NUM_WARPS  # (L, R)
+        row = pid_n * (16 * NUM_WARPS * ROW_TILES) + tile * 16 + g[:, None]  # (L, R): row g of the lane's tile
         j = tl.arange(0, 4)[None, None, :]
         wq = wp_ptr.to(tl.pointer_type(tl.uint32))
-        qt_ptrs = wq + ((row % N) * stride_wn + 8 * t[None, :])[:, :, None] + j  # (R, L, 4): words 0-3 of the lane
-        qb_ptrs = wq + (((row + 8) % N) * stride_wn + 8 * t[None, :])[:, :, None] + j
-        st_ptrs = ws_ptr + ((row % N) * stride_sn + 4 * t[None, :])[:, :, None] + j  # (R, L, 4) scale bytes
-        sb_ptrs = ws_ptr + (((row + 8) % N) * stride_sn + 4 * t[None, :])[:, :, None] + j
+        qt_ptrs = wq + ((row % N) * stride_wn + 8 * t[:, None])[:, :, None] + j  # (L, R, 4): words 0-3 of the lane
+        qb_ptrs = wq + (((row + 8) % N) * stride_wn + 8 * t[:, None])[:, :, None] + j
+        st_ptrs = ws_ptr + ((row % N) * stride_sn + 4 * t[:, None])[:, :, None] + j  # (L, R, 4) scale bytes
+        sb_ptrs = ws_ptr + (((row + 8) % N) * stride_sn + 4 * t[:, None])[:, :, None] + j
         token = pid_m * 8 + g  # (L,) the lane's row of x (B's column)
         xq = x_ptr.to(tl.pointer_type(tl.uint32))
-        x_ptrs = xq + (token.to(tl.int64) * stride_xm + 32 * t)[None, :, None]  # (1, L, 1): the lane's first pair
-        x_ok = (token < M)[None, :, None]
-        acc = tl.zeros((ROW_TILES, L, 4), tl.float32)
+        x_ptrs = xq + (token.to(tl.int64) * stride_xm + 32 * t)[:, None, None]  # (L, 1, 1): the lane's first pair
+        x_ok = (token < M)[:, None, None]
+        acc = tl.zeros((L, ROW_TILES, 4), tl.float32)
         k_lo = pid_k * k_split
         for k0 in range(k_lo, tl.minimum(k_lo + k_split, K), 256):
             acc = _mma_step(acc, qt_ptrs, qb_ptrs, st_ptrs, sb_ptrs, x_ptrs, x_ok, k0, K, t, ROW_TILES, NUM_WARPS,
                             EVEN_K, USE_ASM, F16)
         # acc[.., j]: row g + 8 (j // 2), token 2t + j % 2
-        rows = row[:, :, None] + 8 * (j // 2)  # (R, L, 4)
-        toks = pid_m * 8 + 2 * t[None, :, None] + j % 2
+        rows = row[:, :, None] + 8 * (j // 2)  # (L, R, 4)
+        toks = pid_m * 8 + 2 * t[:, None, None] + j % 2  # (L, 1, 4)
         mask = (rows < N) & (toks < M)
         last = True
         if SPLIT_K > 1:
             # Split-K without a second launch: each program stores its fp32 partial and takes a ticket
             # for its output tile; the program that draws the last ticket sums the partials in split
             # order (deterministic), finishes the tile and resets the counter for the next call.
-            part = part_ptr + (toks * N + rows).to(tl.int64)  # (R, L, 4): split s at part + s * M * N
+            part = part_ptr + (toks * N + rows).to(tl.int64)  # (L, R, 4): split s at part + s * M * N
             tl.store(part + pid_k * M * N, acc, mask=mask)
             tl.debug_barrier()  # every thread's partial is written before the ticket is taken
             out_tile = pid_m * tl.num_programs(0) + pid_n
             last = tl.atomic_add(lock_ptr + out_tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
             if last:
-                acc = tl.zeros((ROW_TILES, L, 4), tl.float32)
+                acc = tl.zeros((L, ROW_TILES, 4), tl.float32)
                 for s in range(SPLIT_K):  # .cg: read L2, never a stale line of this SM's L1
                     acc += tl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
                 tl.atomic_xchg(lock_ptr + out_tile, 0, sem="relaxed", scope="gpu")
@@ -836,7 +847,7 @@ def plan_forward(M, N, K, dtype, device, mma=True):
                     num_stages=2)
     if kernel is None:
         if M <= 8 and mma:
-            kernel = "mma"  # 1.6-2.4x cuBLAS at M = 1, 1.2-1.6x at M = 8
+            kernel = "mma"  # 1.6-2.4x cuBLAS at M = 1, 1.4-2.0x at M = 8
         elif M == 1:
             kernel = "gemv"  # 1.2-1.8x
         elif M > 128 or dtype == torch.float32:
@@ -845,12 +856,16 @@ def plan_forward(M, N, K, dtype, device, mma=True):
             kernel = "tiled"
     if kernel == "dequant":
         return dict(kernel="dequant", DQ=(16, 256, 4))
-    if kernel == "mma":  # 64 rows a program; split K (up to 8, 16 for down_proj's long K at M = 1) until
-        cap = 16 if M == 1 and K >= 8192 else 8  # there are ~2000 programs at M = 1, ~500 above (measured
-        split = 1  # best on the Qwen2.5-7B shapes)
-        while split < cap and triton.cdiv(N, 64) * split < (2000 if M == 1 else 500):
+    if kernel == "mma":  # 64 weight rows a program, 128 (two row tiles a warp, sharing each lane's x) for
+        # gate/up from 2 rows of x and for q/k/v and down from 5; split K (up to 8 ways, 16 for down's long
+        # K) until there are ~2000 programs at M = 1, ~500 a row tile above (measured best on the Qwen2.5-7B
+        # shapes: `--tune`, results/fp4_gemm_h200.md)
+        rt = 2 if (M > 1 and N >= 16384) or (M > 4 and (N > 4096 or K >= 8192)) else 1
+        cap = 16 if K >= 8192 else 8
+        split = 1
+        while split < cap and triton.cdiv(N, 64 * rt) * split < (2000 if M == 1 else 500 * rt):
             split *= 2
-        return dict(kernel="mma", ROW_TILES=1, num_warps=4, SPLIT_K=split)
+        return dict(kernel="mma", ROW_TILES=rt, num_warps=4, SPLIT_K=split)
     if kernel == "gemv":  # 8 rows a program; split K in two when that still leaves few programs
         return dict(kernel="gemv", BLOCK_N=8, BLOCK_K=512, SPLIT_K=2 if triton.cdiv(N, 8) < 500 else 1,
                     num_warps=4, num_stages=1)
@@ -1340,9 +1355,9 @@ def _candidates(M, N, K, direction):
         return dq + [dict(kernel="tiled", BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)]
     c = []
     if M <= 8:
-        for w in (4, 8):
+        for rt, w in ((1, 4), (1, 8), (2, 4)):
             for split in (1, 2, 4, 8, 16):
-                c.append(dict(kernel="mma", ROW_TILES=1, num_warps=w, SPLIT_K=split))
+                c.append(dict(kernel="mma", ROW_TILES=rt, num_warps=w, SPLIT_K=split))
     if M == 1:
         for bn, bk, w in ((8, 512, 4), (8, 256, 2), (16, 512, 4), (32, 512, 4)):
             for split in (1, 2, 4):

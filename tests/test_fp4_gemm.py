@@ -363,12 +363,13 @@ def test_gpu_ptx_decode_matches_plain_decode():
 def test_gpu_mma_ptx_matches_its_model(dtype):
     """The mma kernel's PTX block (decode + mma.sync, lanes exchanging nothing) against the plain-Triton
     model of it (the path the CPU tests run) and the float64 reference, at shapes with a K tail, token
-    tiles, split-K and rows past N."""
-    for M, K, N, split in ((1, 3584, 200, 1), (8, 1088, 136, 2), (13, 576, 72, 3)):
+    tiles, split-K, rows past N and two row tiles a warp (which once spread over lanes: garbage)."""
+    for M, K, N, split, rt in ((1, 3584, 200, 1, 1), (8, 1088, 136, 2, 1), (13, 576, 72, 3, 1), (8, 1088, 264, 2, 2),
+                               (5, 576, 200, 1, 2)):
         q = make_q(N, K, per_row=True, seed=M + K)
         x = torch.randn(M, K, dtype=dtype, device=DEV)
         args = (q.packed, q.scale.view(torch.uint8), q.global_scale, None)
-        plan = dict(kernel="mma", ROW_TILES=1, num_warps=4, SPLIT_K=split)
+        plan = dict(kernel="mma", ROW_TILES=rt, num_warps=4, SPLIT_K=split)
         fast = fp4_gemm.triton_linear(x, *args, plan)
         slow = fp4_gemm.triton_linear(x, *args, dict(plan, asm=False))
         ref = x.double().cpu() @ ref_weight(q.packed, q.scale, q.global_scale).t()
