@@ -1110,6 +1110,8 @@ def _fp4_linear_op(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, g
         y = triton_linear(x2, packed, scale.view(torch.uint8), global_scale.float(), bias)
     else:
         y = _torch_linear(x2, packed, scale, global_scale, bias)
+    if x.dim() == 2:  # the kernel's own tensor, not a view of it (LoRA adds into it in place)
+        return y
     return y.reshape(*x.shape[:-1], packed.shape[0])
 
 

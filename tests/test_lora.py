@@ -98,6 +98,17 @@ def test_bf16_adapters_on_bf16_base_and_dropout():
         y32.float().pow(2).sum().backward()
     assert y32.dtype == torch.bfloat16 and m32.lora_A.weight.grad.dtype == torch.float32
     assert sizes.fp32 < xg.numel(), "an activation-sized float32 tensor was made"  # (y32.float(): 64 x 24)
+
+    class Outputs(TorchDispatchMode):  # the storages of output-sized tensors the forward makes
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.numel() == 64 * 24:
+                self.ptrs = getattr(self, "ptrs", set()) | {out.untyped_storage().data_ptr()}
+            return out
+
+    with Outputs() as outputs:
+        m32(xg)
+    assert len(outputs.ptrs) == 1, "the LoRA branch copied the base output instead of adding into it"
     A, B, W, xd = (t.detach().double() for t in (m32.lora_A.weight, m32.lora_B.weight, base.weight, xg))
     yd = xd @ W.T + 2 * (xd @ A.T) @ B.T
     gA = 2 * (B.T @ (2 * yd).T) @ xd  # dL/dA for L = sum(y^2): scaling * B^T dY^T x
