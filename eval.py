@@ -79,12 +79,13 @@ def _breakdown(records, field):
 
 @torch.no_grad()
 def evaluate(model, tokenizer, items, kind=None, *, samples=1, temperature=0.6, top_p=0.95, max_new_tokens=1024,
-             batch_size=64, seed=0, progress=False):
+             batch_size=None, seed=0, progress=False):
     """Sample `samples` completions of each item and grade them.
 
     items: tasks.load_dataset records ({question, answer[, kind, level, subject, id]}); an item's own
     `kind` wins over the `kind` argument (the default for items without one). batch_size: completions
-    per rollout.generate call (prompts per call = batch_size // samples, at least 1). seed: the
+    per rollout.generate call (prompts per call = batch_size // samples, at least 1; default 256 for a
+    model on the CPU, 64 on a GPU, where the KV cache grows with it). seed: the
     sampling seed; batch b uses seed + b, so the result does not depend on the global RNG.
 
     Returns {"accuracy", "pass@1", "avg@K", "pass@k": {k: ...}, "n", "samples", "mean_length",
@@ -104,6 +105,7 @@ def evaluate(model, tokenizer, items, kind=None, *, samples=1, temperature=0.6, 
     prompts = [tasks.get_task(k).prompt_ids(tokenizer, it["question"]) for it, k in zip(items, kinds)]
     stops = stop_token_ids(tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+    batch_size = batch_size or (256 if model.device.type == "cpu" else 64)
     per_call = max(1, batch_size // samples)
     bar = None
     if progress:
@@ -192,14 +194,13 @@ def main(argv=None):
     items = tasks.load_dataset(args.data, split=args.split, limit=args.limit, data_dir=args.data_dir)
     data_name = _slug(args.data).removesuffix(".jsonl")
     max_new = args.max_new_tokens or DEFAULT_MAX_NEW_TOKENS.get(data_name, 2048)
-    batch = args.batch_size or (256 if args.device == "cpu" else 64)
     out = args.out or os.path.join("runs", "eval", f"{_slug(args.model)}-{data_name}")
     model, tokenizer = load_policy(args.model, args.adapter, args.quant, args.device)
     print(f"eval: {args.model}{' + ' + args.adapter if args.adapter else ''} ({args.quant}) on {args.device}, "
           f"{args.data}/{args.split}: {len(items)} problems x {args.samples} samples, T={args.temperature} "
-          f"top-p={args.top_p}, max {max_new} new tokens, {batch} completions a batch")
+          f"top-p={args.top_p}, max {max_new} new tokens")
     res = evaluate(model, tokenizer, items, samples=args.samples, temperature=args.temperature, top_p=args.top_p,
-                   max_new_tokens=max_new, batch_size=batch, seed=args.seed, progress=True)
+                   max_new_tokens=max_new, batch_size=args.batch_size, seed=args.seed, progress=True)
     records = res.pop("records")
     summary = {"model": args.model, "adapter": args.adapter, "quant": args.quant, "data": args.data,
                "split": args.split, "device": args.device, "seed": args.seed, **res}

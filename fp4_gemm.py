@@ -1240,7 +1240,6 @@ class QuantLinear(nn.Module):
             m.bias.data.copy_(torch.cat([l.bias.data if l.bias is not None else
                                          torch.zeros(l.out_features, dtype=bias_dtype, device=ref.device)
                                          for l in layers]))
-        m.split_sizes = [l.out_features for l in layers]  # to split the fused output back
         return m
 
     @property

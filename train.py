@@ -47,8 +47,8 @@ import grpo
 import lora
 import rollout
 import tasks
-from eval import evaluate
-from model import Transformer, load_tokenizer, resolve_model_dir, stop_token_ids
+from eval import evaluate, load_policy
+from model import resolve_model_dir, stop_token_ids
 
 
 def parse_args(argv=None):
@@ -413,7 +413,6 @@ def main(argv=None):
     check_args(args)
     t_start = time.time()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(args.seed)
     out = args.resume or args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     os.makedirs(out, exist_ok=True)
@@ -424,8 +423,7 @@ def main(argv=None):
     eval_items = tasks.load_dataset(args.eval_data, split="test", limit=args.eval_limit)
     kind = train_items[0]["kind"]
 
-    tokenizer = load_tokenizer(model_dir)
-    model = Transformer.from_pretrained(model_dir, dtype=dtype, device=device, quantize=args.quant == "nvfp4")
+    model, tokenizer = load_policy(model_dir, quant=args.quant, device=device)  # (bf16 on a GPU, fp32 on CPU)
     params = lora.apply_lora(model, rank=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout,
                              targets=tuple(args.lora_targets.split(",")))
     model.gradient_checkpointing = not args.no_checkpointing
@@ -444,8 +442,7 @@ def main(argv=None):
     def heldout(step):
         model.eval()
         res = evaluate(model, tokenizer, eval_items, kind, samples=args.eval_samples, temperature=args.eval_temperature,
-                       top_p=args.eval_top_p, max_new_tokens=args.eval_max_new_tokens,
-                       batch_size=256 if device.type == "cpu" else 64, seed=args.seed + 1_000_003)
+                       top_p=args.eval_top_p, max_new_tokens=args.eval_max_new_tokens, seed=args.seed + 1_000_003)
         return res["accuracy"]
 
     step, stream, baseline, rows = 0, PromptStream(train_items, args.seed), None, []

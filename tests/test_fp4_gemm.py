@@ -265,7 +265,7 @@ def test_concat_is_exact_on_the_torch_path():
         lin.weight.data *= torch.rand(()) * 10  # different amax → different global scales
     qs = [fp4_gemm.QuantLinear.from_linear(lin) for lin in parts]
     fused = fp4_gemm.QuantLinear.concat(qs)
-    assert fused.weight_global_scale.shape == (48,) and fused.split_sizes == [24, 8, 16]
+    assert fused.weight_global_scale.shape == (48,) and fused.out_features == 24 + 8 + 16
     x = torch.randn(3, 5, K, dtype=torch.bfloat16)
     with fp4_gemm.backend("torch"):
         want = torch.cat([q(x) for q in qs], -1)
