@@ -748,7 +748,8 @@ if HAS_TRITON:
         of 256. Tensors are (lane, row tile, 4), the 4 contiguous on the last axis: Triton lays such a
         load out with its threads along the first axis that is not contiguous, one lane per index (16
         bytes each), which is the MMA's lane numbering, and the row tiles in each lane's registers. (With
-        the row tiles first, Triton spread them over lanes too: ROW_TILES > 1 computed garbage on the GPU.)
+        the row tiles first, Triton spread them over lanes too, per the compiled TTGIR: no PTX block would
+        have seen its own lane's data with ROW_TILES > 1.)
         stride_wn is in 32-bit words, stride_xm in pairs of x, stride_sn in bytes.
         SIDE_COLS > 0 (M <= 8): programs n >= n_w compute the side product x @ side^T instead, SIDE_COLS
         programs a 16-column tile along axis 0 times SPLIT_K along axis 2, one K chunk each (_small_part).

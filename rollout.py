@@ -79,11 +79,11 @@ Measured (H200, Qwen2.5-7B shape, NVFP4 + LoRA r32 + AQN, results/rollout_h200.m
 at 2.99 ms a step against a 1.16 ms floor, batch 8 at 3.64. Of batch 1's 2.83 ms of kernel time,
 fp4_gemm's GEMMs with the LoRA-A products riding in them take 1.96 (3.67 GB at 1.87 TB/s, the
 tensor-core `mma` kernel), cuBLAS 0.39 (lm_head ~0.25 and the 56 LoRA-B addmm), this file's other
-kernels 0.48; gaps between the 342 graphed launches 0.18. Without the graph a step costs ~70 ms (Python and launch overhead;
-session 1's measurement). The LoRA-A products as launches of their own cost 4.2-8.2 µs each (0.47 ms
-a step, at 3.42 ms a step), inside the GEMM's launch 0.4-3 µs. What remains, in order: the fp4 GEMMs
-at ~1.9 TB/s instead of ~4 (memory latency and a busy ALU pipe, see fp4_gemm.py), and an fp4 kernel
-for 16-64 rows (batch 64 is 0.85x bf16's speed in NVFP4).
+kernels 0.48; gaps between the 342 graphed launches 0.18. Without the graph a step costs ~70 ms
+(Python and launch overhead; session 1's measurement). The LoRA-A products as launches of their own
+cost 4.2-8.2 µs each (0.47 ms a step, at 3.42 ms a step), inside the GEMM's launch 0.4-3 µs. What
+remains, in order: the fp4 GEMMs at ~1.9 TB/s instead of ~4 (memory latency and a busy ALU pipe, see
+fp4_gemm.py), and an fp4 kernel for 16-64 rows (batch 64 is 0.85x bf16's speed in NVFP4).
 
 Departures. vLLM (which the official QeRL code uses) pages its KV cache and batches continuously;
 here a batch is static and every row shares the cache's column index (left padding), which keeps the

@@ -363,7 +363,7 @@ def test_gpu_ptx_decode_matches_plain_decode():
 def test_gpu_mma_ptx_matches_its_model(dtype):
     """The mma kernel's PTX block (decode + mma.sync, lanes exchanging nothing) against the plain-Triton
     model of it (the path the CPU tests run) and the float64 reference, at shapes with a K tail, token
-    tiles, split-K, rows past N and two row tiles a warp (which once spread over lanes: garbage)."""
+    tiles, split-K, rows past N and two row tiles a warp (which the old axis order spread over lanes)."""
     for M, K, N, split, rt in ((1, 3584, 200, 1, 1), (8, 1088, 136, 2, 1), (13, 576, 72, 3, 1), (8, 1088, 264, 2, 2),
                                (5, 576, 200, 1, 2)):
         q = make_q(N, K, per_row=True, seed=M + K)
