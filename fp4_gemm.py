@@ -55,13 +55,24 @@ Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
   a repacked layout, or lanes holding interleaved k, make those reads contiguous, but the first needs
   every other kernel to read it too and the second costs M = 1 a sixth: both measured and dropped).
   More rows of x per program (decoded weights reused by 2-8 groups of 8 tokens) lost to the tiled
-  kernel from 32 rows on: every warp reads all of x itself, with no shared memory to share it.
+  kernel from 32 rows on: every warp reads all of x itself, with no shared memory to share it (the
+  wgmma kernel below shares it).
 - gemv (M = 1 with fp32 x): a program owns 8 weight rows and walks K in steps of 512 with 16-byte
   loads of packed codes, multiply-adding in fp32; optional split-K with a reduce kernel.
-- tiled (2 <= M <= 128 where mma does not serve): fused dequantize + tl.dot tiles (BM = 16, 32 or 64),
-  grouped tile order so a weight tile is read from HBM once, split-K (up to 8) where the tiles are
-  few. 0.9-1.5x cuBLAS at M = 16, 0.7-0.86x at M = 64: the decode and the layout shuffle Triton adds
-  before the MMA cost more issue slots than the bytes saved.
+- wgmma (9 <= M <= 128 on Hopper for the wide layers, gate/up and down, and above 64 rows for all;
+  Gluon, 16-bit x): the mma kernel's idea on Hopper's warpgroup MMA. A warpgroup owns 64 weight rows
+  and up to 64 rows of x; x sits in shared memory once per program (permuted along K by one gather,
+  so that its k order matches what each lane decodes), the decoded weights are wgmma's left operand
+  straight from registers (no shared-memory round trip), the next k-step's x copies (cp.async) and
+  codes load while this one decodes. 1.75x / 1.57x cuBLAS for gate/up / down at M = 16, 1.35x / 1.12x
+  at M = 64. What bounds it was not found: prefetching two k-steps ahead, two row tiles a warpgroup
+  (x read half as often) and two warpgroups a program all measured slower (results/fp4_gemm_h200.md).
+  Gluon has no interpreter: on CPU the tests run its PTX on the emulator and check the K order
+  against it; on a Hopper GPU they check the kernel against float64.
+- tiled (2 <= M <= 128 where mma and wgmma do not serve): fused dequantize + tl.dot tiles (BM = 16,
+  32 or 64), grouped tile order so a weight tile is read from HBM once, split-K (up to 8) where the
+  tiles are few. 0.9-1.2x cuBLAS for q/k/v and o at M = 16, 0.7x at M = 64: the decode and the layout
+  shuffle Triton adds before the MMA cost more issue slots than the bytes saved.
 - dequant + cuBLAS (M > 128, fp32 inputs): a Triton kernel writes this one layer's weight in x's
   dtype, bit-identical to nvfp4.dequantize (same float32 arithmetic), and cuBLAS multiplies; the copy
   dies right after. 0.73-0.81x cuBLAS at M = 1024, 0.75-0.93x at M = 4096 (the spread of three
@@ -81,8 +92,8 @@ autotuning at run time). Compile (warm up) each shape once before capturing a gr
 Paths: Triton on CUDA tensors, the torch path (dequantize + matmul) on CPU, chosen automatically.
 `set_backend("torch" | "triton" | "auto", kernel=None)` or the `backend(...)` context manager, or the
 environment variable QERL_FP4_BACKEND, force one; with "triton" on CPU tensors the kernels run in
-Triton's interpreter (that is how the tests check them). `kernel` pins "mma", "gemv", "tiled" or
-"dequant".
+Triton's interpreter (that is how the tests check them). `kernel` pins "mma", "gemv", "wgmma", "tiled"
+or "dequant".
 
 Departures from the official QeRL code: it runs rollouts on vLLM's Marlin FP4 kernel and trains by
 dequantizing the whole weight on every forward in HF; here one set of kernels serves both, the
@@ -114,6 +125,15 @@ try:
     HAS_TRITON = True
 except ImportError:  # the torch path still works
     HAS_TRITON = False
+try:  # Gluon (triton >= 3.5): Triton with explicit layouts, for the Hopper wgmma kernel
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+
+    HAS_GLUON = True
+except ImportError:  # the other kernels serve every shape
+    HAS_GLUON = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,7 +141,7 @@ except ImportError:  # the torch path still works
 # ---------------------------------------------------------------------------------------------
 
 BACKENDS = ("auto", "torch", "triton")
-KERNELS = (None, "mma", "gemv", "tiled", "dequant")
+KERNELS = (None, "mma", "gemv", "wgmma", "tiled", "dequant")
 _choice = {"backend": os.environ.get("QERL_FP4_BACKEND", "auto"), "kernel": None}
 if _choice["backend"] not in BACKENDS:  # a typo would otherwise act as "auto"
     raise ValueError(f"QERL_FP4_BACKEND={_choice['backend']!r}: use one of {BACKENDS}")
@@ -130,7 +150,7 @@ if _choice["backend"] not in BACKENDS:  # a typo would otherwise act as "auto"
 def set_backend(name="auto", kernel=None):
     """"auto": Triton on CUDA tensors, torch elsewhere. "triton": always Triton (on CPU tensors through
     the interpreter, slow: for tests). "torch": dequantize + matmul. `kernel` pins the Triton kernel
-    ("mma", "gemv", "tiled", "dequant") instead of the per-shape table; None uses the table."""
+    ("mma", "gemv", "wgmma", "tiled", "dequant") instead of the per-shape table; None uses the table."""
     if name not in BACKENDS or kernel not in KERNELS:
         raise ValueError(f"backend must be one of {BACKENDS} and kernel one of {KERNELS}, got {name!r}, {kernel!r}")
     _choice["backend"], _choice["kernel"] = name, kernel
@@ -810,6 +830,178 @@ if HAS_TRITON:
             tl.store(y_ptr + toks.to(tl.int64) * stride_ym + rows, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+# ---- the wgmma kernel (9 to 128 rows of x, Hopper; written in Gluon) ----
+#
+# The mma kernel above keeps x in each warp's registers, so from 16 rows of x on every warp re-reads all
+# of it; the tiled kernel shares x through shared memory but Triton's tl.dot then makes the decoded
+# weights take a round trip through shared memory too. Gluon (Triton's lower-level dialect, with the
+# layouts written out) expresses what Marlin does on Hopper: x sits in shared memory once per program
+# and is the right operand of the warpgroup MMA (wgmma, m64 x BT x k16, fp32 accumulation), while the
+# decoded weights are its LEFT operand straight from registers. A warpgroup owns 64 weight rows; wgmma's
+# register operand gives lane 4g + t of each warp, for each k16 chunk c, rows g and g + 8 of the warp's
+# 16 at columns 16c + (2t, 2t+1, 2t+8, 2t+9). As in the mma kernel, which physical k a column stands for
+# is ours to choose: lane t loads 16 contiguous bytes of its rows (the physical k (BK/4) t .. of the
+# k-step), the mma kernel's PTX decodes each 32-bit word into the pairs (k3, k7), (k2, k6), (k1, k5),
+# (k0, k4) (exact e2m1 * s * 2^-8), and those registers ARE the operand (Gluon checks that the layout
+# conversion is free: assert_trivial). The right operand must follow the same order, so x is permuted
+# along K once per call (wgmma_k_order: one gather of x, shared by the fused q/k/v or gate/up parts).
+# Pipelining: x of the next k-step copies into a second shared buffer (cp.async) and the next step's
+# codes and scales load into registers while this one decodes and multiplies. Split-K as the mma
+# kernel's: fp32 partials and a ticket, the last program of a tile sums them in order.
+# What it measured (H200, results/fp4_gemm_h200.md): gate/up at 64 rows of x 61 us against the tiled
+# kernel's 95 and cuBLAS's 83; q/k/v and o (few output tiles) stay faster on the tiled kernel up to 64
+# rows; at 256 rows, where the decode repeats for every 64 rows of x, dequant + cuBLAS is as fast.
+if HAS_GLUON:
+    def _wgmma_word_asm(f16):
+        """8 codes of a 32-bit word ($4; pack = 8 gives the asm 8 copies, $4-$11) → 4 registers $0-$3 of
+        two values each, codes (3, 7), (2, 6), (1, 5), (0, 4) of the word, times the scale pair $12 (copies
+        $12-$19): e2m1 * 2^-126 (bf16) or * 2^-14 (f16) from the bit moves of the mma kernel's decode, so
+        the pair holds s * 2^118 or s * 2^6 and the result is exactly e2m1 * s * 2^-8."""
+        shift, mag, mul = (3, "0x8E008E00", "mul.rn.f16x2") if f16 else (6, "0x81C081C0", "mul.rn.bf16x2")
+        steps = []
+        for j, sl in enumerate((0, 4, 8, 12)):
+            src = "$4"
+            if sl:
+                steps.append(f"shl.b32 u, $4, {sl};")
+                src = "u"
+            steps.append(f"and.b32 h, {src}, 0xF000F000; shr.b32 v, h, {shift}; or.b32 v, v, h; "
+                         f"and.b32 v, v, {mag}; {mul} ${j}, v, $12;")
+        return "{ .reg .b32 u, v, h; " + " ".join(steps) + " }"
+
+    _WGMMA_ASM: gl.constexpr = gl.constexpr((_wgmma_word_asm(False), _wgmma_word_asm(True)))
+    _WGMMA_CONSTRAINTS: gl.constexpr = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 16))
+
+    @gluon.constexpr_function
+    def _lane_local(inner, elems):
+        """(64 rows, 4, inner[, 8]) with lane 4g + t of warp w holding rows 16w + g and 16w + g + 8 at index t
+        of axis 1, axis 2 (and the 8 elements of axis 3) in its registers: how each lane loads its own
+        pieces. elems = 8 adds the last axis (one register per element: broadcasting a word to 8 values
+        would otherwise keep it as one register, and the asm's 8 outputs would come out as one value)."""
+        e = [[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4]] if elems == 8 else []
+        pad = [0] if elems == 8 else []
+        regs = e + [[0, 0, 1 << i] + pad for i in range(inner.bit_length() - 1)] + [[8, 0, 0] + pad]
+        lanes = [[0, 1, 0] + pad, [0, 2, 0] + pad, [1, 0, 0] + pad, [2, 0, 0] + pad, [4, 0, 0] + pad]
+        warps = [[16, 0, 0] + pad, [32, 0, 0] + pad]
+        return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=lanes, warp_bases=warps, block_bases=[],
+                                          shape=[64, 4, inner] + ([8] if elems == 8 else []))
+
+    @gluon.jit
+    def _wgmma_decode(words, sb, a_l: gl.constexpr, BK: gl.constexpr, F16: gl.constexpr):
+        """The k-step's (64, BK) weight tile in wgmma's register-operand layout: words (64, 4, BK/32) of
+        codes, sb (64, 4, BK/64) E4M3 scale bytes (one per 2 words), lane-local."""
+        W: gl.constexpr = BK // 32
+        Q: gl.constexpr = BK // 64
+        sf = sb.to(gl.float8e4nv, bitcast=True).to(gl.float32)
+        if F16:
+            sw = (sf * 64.0).to(gl.float16).to(gl.uint16, bitcast=True).to(gl.uint32)
+        else:
+            sw = (sf * 3.3230699894622794e+35).to(gl.bfloat16).to(gl.uint16, bitcast=True).to(gl.uint32)  # * 2^118
+        sw = sw | (sw << 16)  # the pair (s, s)
+        sw = gl.reshape(gl.reshape(sw, (64, 4, Q, 1)).broadcast_to((64, 4, Q, 2)), (64, 4, W))
+        sw = gl.convert_layout(sw, words.type.layout)
+        l8: gl.constexpr = _lane_local(W, 8)
+        w8 = gl.convert_layout(gl.reshape(words, (64, 4, W, 1)).broadcast_to((64, 4, W, 8)), l8)
+        s8 = gl.convert_layout(gl.reshape(sw, (64, 4, W, 1)).broadcast_to((64, 4, W, 8)), l8)
+        vals = gl.inline_asm_elementwise(_WGMMA_ASM[F16], _WGMMA_CONSTRAINTS, [w8, s8],
+                                         dtype=gl.float16 if F16 else gl.bfloat16, is_pure=True, pack=8)
+        # element e = 4 a + 2 b + h of word j → chunk c = 2 j + a, column 8 b + 2 t + h of the chunk
+        vals = gl.permute(gl.reshape(vals, (64, 4, W, 2, 2, 2)), (0, 2, 3, 4, 1, 5))  # (row, j, a, b, t, h)
+        return gl.convert_layout(gl.reshape(vals, (64, BK)), a_l, assert_trivial=True)
+
+    @gluon.jit
+    def _wgmma_finish(acc, rows, toks, mask, gs_ptr, bias_ptr, y_ptr, N, stride_ym, GS_PER_ROW: gl.constexpr,
+                      HAS_BIAS: gl.constexpr):
+        """acc (64 rows of W, BT tokens): times 256/g, plus the bias, stored to y (tokens x rows)."""
+        if GS_PER_ROW:
+            acc = acc * (256.0 / gl.load(gs_ptr + rows % N))[:, None]
+        else:
+            acc = acc * (256.0 / gl.load(gs_ptr))
+        if HAS_BIAS:
+            acc += gl.load(bias_ptr + rows % N).to(gl.float32)[:, None]
+        gl.store(y_ptr + toks[None, :].to(gl.int64) * stride_ym + rows[:, None], acc.to(y_ptr.dtype.element_ty),
+                 mask=mask)
+
+    @gluon.jit
+    def _wgmma_kernel(x_ptr, wp_ptr, ws_ptr, gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M, N, n_steps, stride_xm,
+                      stride_ym, stride_wn, stride_sn, split_steps, BT: gl.constexpr, BK: gl.constexpr,
+                      SPLIT_K: gl.constexpr, GS_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, F16: gl.constexpr):
+        """Program (n, m, s): 64 weight rows (a warpgroup), BT rows of x (permuted along K by wgmma_k_order),
+        k-steps s · split_steps .. of BK (n_steps in all). stride_wn is in 32-bit words, the others in
+        elements. Offsets count whole k-steps, so that Triton sees the 16-byte alignment of every load."""
+        pid_n = gl.program_id(0)
+        pid_m = gl.program_id(1)
+        pid_k = gl.program_id(2)
+        W: gl.constexpr = BK // 32  # 32-bit words of codes a lane loads per row and k-step
+        Q: gl.constexpr = BK // 64  # scale bytes a lane loads per row and k-step
+        mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_l, k_width=2)
+        w_l: gl.constexpr = _lane_local(W, 1)
+        s_l: gl.constexpr = _lane_local(Q, 1)
+        # lane-local pointers at k-step 0: row r, lane t, word j / scale byte q
+        rw = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, w_l)))
+        tw = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, w_l)))
+        jw = gl.arange(0, W, layout=gl.SliceLayout(0, gl.SliceLayout(1, w_l)))
+        w_ptrs = (wp_ptr.to(gl.pointer_type(gl.uint32)) + (rw % N)[:, None, None] * stride_wn + W * tw[None, :, None]
+                  + jw[None, None, :])
+        rs = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, s_l)))
+        ts = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, s_l)))
+        qs = gl.arange(0, Q, layout=gl.SliceLayout(0, gl.SliceLayout(1, s_l)))
+        s_ptrs = ws_ptr + (rs % N)[:, None, None] * stride_sn + Q * ts[None, :, None] + qs[None, None, :]
+        # x: (BT, BK) tiles copied into NVMMA-swizzled shared memory, read by wgmma as (BK, BT)
+        x_bl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[1, 32], warps_per_cta=[4, 1],
+                                              order=[1, 0])
+        xm = pid_m * BT + gl.arange(0, BT, layout=gl.SliceLayout(1, x_bl))
+        xk = gl.arange(0, BK, layout=gl.SliceLayout(0, x_bl))
+        x_ptrs = x_ptr + xm[:, None].to(gl.int64) * stride_xm + xk[None, :]
+        x_ok = xm[:, None] < M
+        x_bufs = gl.allocate_shared_memory(gl.float16 if F16 else gl.bfloat16, [2, BT, BK],
+                                           gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+        s_lo = pid_k * split_steps
+        n = gl.minimum(split_steps, n_steps - s_lo)  # (the host makes every split non-empty)
+        async_copy.async_copy_global_to_shared(x_bufs.index(0), x_ptrs + s_lo * BK, mask=x_ok)
+        async_copy.commit_group()
+        words = gl.load(w_ptrs + s_lo * (BK // 8))
+        sb = gl.load(s_ptrs + s_lo * (BK // 16))
+        acc = gl.zeros((64, BT), gl.float32, layout=mma_l)
+        for i in range(n):
+            # the next step: x into the other buffer (an empty copy past the end keeps the wait count
+            # uniform), codes and scales into registers (the last step reloads its own)
+            nxt = s_lo + i + (i + 1 < n).to(gl.int32)
+            async_copy.async_copy_global_to_shared(x_bufs.index((i + 1) % 2), x_ptrs + nxt * BK,
+                                                   mask=x_ok & (i + 1 < n))
+            async_copy.commit_group()
+            words_next = gl.load(w_ptrs + nxt * (BK // 8))
+            sb_next = gl.load(s_ptrs + nxt * (BK // 16))
+            a = _wgmma_decode(words, sb, a_l, BK, F16)
+            async_copy.wait_group(1)  # this step's x has landed (the next one may still be in flight)
+            gl.thread_barrier()
+            fence_async_shared()
+            acc = warpgroup_mma(a, x_bufs.index(i % 2).permute((1, 0)), acc)
+            gl.thread_barrier()  # every warp is done with this buffer before the next step refills it
+            words = words_next
+            sb = sb_next
+        # epilogue in a layout with each thread on 4 consecutive rows (= contiguous outputs of a token)
+        out_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[4, 1], threads_per_warp=[16, 2], warps_per_cta=[1, 4],
+                                               order=[0, 1])
+        acc = gl.convert_layout(acc, out_l)
+        rows = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, out_l))
+        toks = pid_m * BT + gl.arange(0, BT, layout=gl.SliceLayout(0, out_l))
+        mask = (rows[:, None] < N) & (toks[None, :] < M)
+        if SPLIT_K > 1:
+            part = part_ptr + toks[None, :].to(gl.int64) * N + rows[:, None]  # split s at + s · M · N
+            gl.store(part + pid_k * M * N, acc, mask=mask)
+            gl.thread_barrier()  # every thread's partial is written before the ticket is taken
+            tile = pid_m * gl.num_programs(0) + pid_n
+            if gl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+                acc = gl.zeros((64, BT), gl.float32, layout=out_l)
+                for s in gl.static_range(SPLIT_K):  # .cg: read L2, never a stale line of this SM's L1
+                    acc += gl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+                gl.atomic_xchg(lock_ptr + tile, 0, sem="relaxed", scope="gpu")
+                _wgmma_finish(acc, rows, toks, mask, gs_ptr, bias_ptr, y_ptr, N, stride_ym, GS_PER_ROW, HAS_BIAS)
+        else:
+            _wgmma_finish(acc, rows, toks, mask, gs_ptr, bias_ptr, y_ptr, N, stride_ym, GS_PER_ROW, HAS_BIAS)
+
+
 def _kernels(device):
     """This module's kernels; on CPU tensors they must be the interpreter's (see the import above)."""
     this = sys.modules[__name__]
@@ -831,11 +1023,12 @@ def plan_forward(M, N, K, dtype, device, mma=True):
     """The kernel and its launch config for y (M, N) = x (M, K) @ W^T: a small table read off
     `python fp4_gemm.py --bench/--tune` on an H200 (Qwen2.5-7B shapes; results/fp4_gemm_h200.md). Fixed
     per shape, so nothing is tuned at run time (CUDA-graph and torch.compile safe). Returns a dict
-    whose "kernel" is "mma", "gemv", "tiled" or "dequant". mma=False: a plan without the mma kernel
-    (for x it cannot read: fp32, K not a multiple of 64, misaligned)."""
+    whose "kernel" is "mma", "gemv", "wgmma", "tiled" or "dequant". mma=False: a plan without the mma
+    and wgmma kernels (for packed codes they cannot read as aligned words)."""
     kernel = _choice["kernel"]
+    wgmma = mma and _wgmma_runs(K, dtype, device)
     mma = mma and dtype != torch.float32 and K % 64 == 0
-    if kernel == "mma" and not mma:
+    if (kernel == "mma" and not mma) or (kernel == "wgmma" and not wgmma):
         kernel = None
     if device.type == "cpu":  # the interpreter: few, large programs run fastest
         if kernel == "mma":
@@ -851,6 +1044,8 @@ def plan_forward(M, N, K, dtype, device, mma=True):
             kernel = "mma"  # 1.6-2.4x cuBLAS at M = 1, 1.4-2.0x at M = 8
         elif M == 1:
             kernel = "gemv"  # 1.2-1.8x
+        elif M <= 128 and wgmma and (N >= 16384 or K >= 8192 or M > 64):
+            kernel = "wgmma"  # gate/up, down: 1.6-1.75x cuBLAS at 16 rows, 1.1-1.35x at 64 (q/k/v, o: tiled)
         elif M > 128 or dtype == torch.float32:
             kernel = "dequant"  # compute dominates: this layer's bf16 weight + cuBLAS (fp32: exact fp32 GEMM)
         else:
@@ -867,6 +1062,14 @@ def plan_forward(M, N, K, dtype, device, mma=True):
         while split < cap and triton.cdiv(N, 64 * rt) * split < (2000 if M == 1 else 500 * rt):
             split *= 2
         return dict(kernel="mma", ROW_TILES=rt, num_warps=4, SPLIT_K=split)
+    if kernel == "wgmma":  # 64 weight rows x 16, 32 or 64 rows of x a program, k-steps of 256 (128 where K
+        # is no multiple of 256); K split to give the narrow layers more programs: 8 ways below 64 rows of x,
+        # then 4 for down's long K and 2 for q/k/v and o; gate/up has programs enough (the best found on the
+        # Qwen2.5-7B shapes: `--tune`, results/fp4_gemm_h200.md)
+        bt = 16 if M <= 16 else 32 if M <= 32 else 64
+        bk = 256 if K % 256 == 0 else 128
+        split = 1 if N >= 16384 else 8 if bt < 64 else 4 if K >= 8192 else 2
+        return dict(kernel="wgmma", BT=bt, BLOCK_K=bk, SPLIT_K=split)
     if kernel == "gemv":  # 8 rows a program; split K in two when that still leaves few programs
         return dict(kernel="gemv", BLOCK_N=8, BLOCK_K=512, SPLIT_K=2 if triton.cdiv(N, 8) < 500 else 1,
                     num_warps=4, num_stages=1)
@@ -889,6 +1092,12 @@ def plan_forward(M, N, K, dtype, device, mma=True):
     else:
         cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLIT_K=2, num_warps=4, num_stages=4)
     return dict(kernel="tiled", GROUP_M=8, **cfg)
+
+
+def _wgmma_runs(K, dtype, device):
+    """The wgmma kernel needs Gluon, a Hopper GPU (sm_90), 16-bit x and K in whole k-steps of 128."""
+    return (HAS_GLUON and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and K % 128 == 0
+            and torch.cuda.is_available() and torch.cuda.get_device_capability(device) == (9, 0))
 
 
 def plan_dx(M, N, K, dtype, device):
@@ -998,6 +1207,46 @@ def side_linear(x2, side):
     return small_linear(x2, side) if x2.shape[0] <= 16 else torch.nn.functional.linear(x2, side)
 
 
+_k_orders = {}
+
+
+def wgmma_k_order(K, bk, device):
+    """The wgmma kernel's K order: x_perm[:, i] = x[:, order[i]]. In each k-step of bk, MMA column 16 c +
+    8 b + 2 t + h (chunk c = 2 j + a, lane t) holds element e = 4 a + 2 b + h of the lane's decoded word
+    j, which is code 3 - (2 a + b) + 4 h of the word (the decode emits codes (3, 7), (2, 6), (1, 5), (0,
+    4)): physical k (bk/4) t + 8 j + that.
+    Built on the device with arange (no copy from the host: safe inside a CUDA graph capture)."""
+    key = (K, bk, device)
+    if key not in _k_orders:
+        col = torch.arange(bk, device=device)
+        c, b, t, h = col // 16, (col // 8) % 2, (col // 2) % 4, col % 2
+        phys = (bk // 4) * t + 8 * (c // 2) + 3 - (2 * (c % 2) + b) + 4 * h
+        _k_orders[key] = (torch.arange(0, K, bk, device=device)[:, None] + phys[None, :]).reshape(-1)
+    return _k_orders[key]
+
+
+def _wgmma_linear(x2, packed, scale_u8, gs, bias, plan):
+    """The wgmma kernel's launch: x permuted along K (one gather), then one launch that also sums its
+    split-K partials."""
+    M, K = x2.shape
+    N = packed.shape[0]
+    bt, bk = plan["BT"], plan["BLOCK_K"]
+    xp = x2.index_select(1, wgmma_k_order(K, bk, x2.device))
+    steps = K // bk
+    split_steps = triton.cdiv(steps, plan["SPLIT_K"])
+    split = triton.cdiv(steps, split_steps)  # (every split non-empty)
+    y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
+    part = torch.empty(split, M, N, dtype=torch.float32, device=x2.device) if split > 1 else y
+    grid = (triton.cdiv(N, 64), triton.cdiv(M, bt), split)
+    if grid[0] * grid[1] > _LOCKS:
+        raise ValueError(f"fp4_linear: {grid[0] * grid[1]} output tiles exceed the split-K counters ({_LOCKS})")
+    _wgmma_kernel[grid](xp, packed, scale_u8, gs, bias if bias is not None else gs, y, part, _locks(x2.device), M, N,
+                        steps, xp.stride(0), y.stride(0), packed.stride(0) // 4, scale_u8.stride(0), split_steps,
+                        BT=bt, BK=bk, SPLIT_K=split, GS_PER_ROW=gs.numel() > 1, HAS_BIAS=bias is not None,
+                        F16=x2.dtype == torch.float16, num_warps=4)
+    return y
+
+
 def triton_linear(x2, packed, scale_u8, gs, bias, plan=None, side=None):
     """y (M, N) = x2 (M, K) @ W^T (+ bias) on the Triton path; `plan` overrides plan_forward.
     side: an optional small (SR, K) matrix in x2's dtype (rollout's LoRA A's); then returns (y, x2 @
@@ -1005,7 +1254,8 @@ def triton_linear(x2, packed, scale_u8, gs, bias, plan=None, side=None):
     M, K = x2.shape
     N = packed.shape[0]
     plan = plan or plan_forward(M, N, K, x2.dtype, x2.device)
-    if plan["kernel"] == "mma" and not _mma_fits(x2, packed):
+    if (plan["kernel"] == "mma" and not _mma_fits(x2, packed)) or (plan["kernel"] == "wgmma"
+                                                                  and not _words_aligned(packed)):
         plan = plan_forward(M, N, K, x2.dtype, x2.device, mma=False)
     if side is not None and (plan["kernel"] != "mma" or not 0 < M <= 8):  # (the side programs cover one row tile)
         return triton_linear(x2, packed, scale_u8, gs, bias, plan), side_linear(x2, side)
@@ -1015,6 +1265,8 @@ def triton_linear(x2, packed, scale_u8, gs, bias, plan=None, side=None):
     if plan["kernel"] == "dequant":
         w = dequantize_triton(packed, scale_u8, gs, x2.dtype, plan.get("DQ"))  # (N, K): this layer only, freed on return
         return torch.nn.functional.linear(x2, w, bias.to(x2.dtype) if bias is not None else None)
+    if plan["kernel"] == "wgmma":
+        return _wgmma_linear(x2, packed, scale_u8, gs, bias, plan)
     ker = _kernels(x2.device)
     split = plan.get("SPLIT_K", 1)
     bk = plan.get("BLOCK_K", 256)  # the mma kernel's k-step is 256
@@ -1365,6 +1617,12 @@ def _candidates(M, N, K, direction):
             for split in (1, 2, 4):
                 if split == 1 or triton.cdiv(N, bn) * split <= 1800:
                     c.append(dict(kernel="gemv", BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=w, num_stages=1))
+    if 8 < M <= 256:
+        bt = 16 if M <= 16 else 32 if M <= 32 else 64
+        for bk in (128, 256):
+            if K % bk == 0:
+                for split in (1, 2, 4, 8, 16):
+                    c.append(dict(kernel="wgmma", BT=bt, BLOCK_K=bk, SPLIT_K=split))
     if 16 < M <= 64:
         for bm in (32, 64) if M <= 32 else (64,):
             for bn in (32, 64, 128):
@@ -1489,6 +1747,8 @@ def _kernel_label(p):
         return "dequant+cuBLAS" + (" {}x{} w{}".format(*p["DQ"]) if p.get("DQ") else "")
     if p["kernel"] == "mma":
         return f"mma {16 * p['num_warps'] * p['ROW_TILES']} rows{split} w{p['num_warps']}"
+    if p["kernel"] == "wgmma":
+        return f"wgmma 64x{p['BT']}x{p['BLOCK_K']}{split}"
     return (f"{p['kernel']} {p.get('BLOCK_M', 1)}x{p['BLOCK_N']}x{p['BLOCK_K']}{split}"
             + (" plain-decode" if p.get("asm") is False else "") + f" w{p.get('num_warps')}s{p.get('num_stages')}")
 
@@ -1516,6 +1776,7 @@ def main():
     parser.add_argument("--m", type=int, nargs="*", default=list(BENCH_M), help="batch sizes (rows of x) to run")
     parser.add_argument("--shapes", nargs="*", default=list(QWEN7B_SHAPES), help="layers to run")
     parser.add_argument("--no-dx", action="store_true", help="skip the dX backward at M=4096")
+    parser.add_argument("--kernel", choices=[k for k in KERNELS if k], help="--tune: only this kernel's configs")
     parser.add_argument("--jobs", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)),
                         help="processes compiling kernels in parallel before timing")
     parser.add_argument("--out", default=None, help="also write the table (.md) and all rows (.jsonl) here")
@@ -1536,7 +1797,8 @@ def main():
         N = sum(parts)
         dev = torch.device("cuda")
         chosen = plan_forward(M, N, K, torch.bfloat16, dev) if d == "fwd" else plan_dx(M, N, K, torch.bfloat16, dev)
-        plans[(name, M, d)] = _candidates(M, N, K, d) if args.tune else [chosen]
+        plans[(name, M, d)] = ([p for p in _candidates(M, N, K, d) if args.kernel in (None, p["kernel"])] if args.tune
+                               else [chosen])
     tasks = [(n, M, d, p) for (n, M, d), ps in plans.items() for p in ps if p["kernel"] != "dequant"]
     log(f"{len(probs)} problems, {len(tasks)} kernel launches to compile on {args.jobs} processes")
     for e in _precompile(tasks, args.jobs):

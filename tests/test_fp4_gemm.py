@@ -377,6 +377,42 @@ def test_gpu_mma_ptx_matches_its_model(dtype):
         assert rel_err(fast, ref) < (4e-3 if dtype == torch.bfloat16 else 1e-3)
 
 
+hopper_gluon = pytest.mark.skipif(
+    not (fp4_gemm.HAS_GLUON and DEV.type == "cuda" and torch.cuda.get_device_capability() == (9, 0)),
+    reason="needs triton with Gluon and a Hopper GPU (sm_90)")
+
+
+@hopper_gluon
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_wgmma_against_float64(dtype, poisoned):
+    """The wgmma kernel (decoded weights as wgmma's register operand, x permuted along K in shared
+    memory) against float64: token tiles that overhang M, rows past N, k-steps of 128 and 256, uneven
+    split-K (8 asked of 28 k-steps: 7 splits of 4; 3 of 3 k-steps), bias, per-row global scales;
+    deterministic, with the split-K counters back at zero; and replayed inside a CUDA graph."""
+    for M, K, N, bt, bk, split, bias, per_row in ((9, 128, 40, 16, 128, 1, True, True),
+                                                  (17, 384, 264, 32, 128, 3, False, True),
+                                                  (64, 1152, 200, 64, 128, 4, True, False),
+                                                  (100, 1536, 136, 64, 256, 2, True, True),
+                                                  (130, 3584, 72, 64, 128, 8, False, False)):
+        q = make_q(N, K, per_row, seed=M + K)
+        x = torch.randn(M, K, dtype=dtype, device=DEV)
+        b = torch.randn(N, dtype=dtype, device=DEV) if bias else None
+        args = (q.packed, q.scale.view(torch.uint8), q.global_scale, b)
+        plan = dict(kernel="wgmma", BT=bt, BLOCK_K=bk, SPLIT_K=split)
+        y = fp4_gemm.triton_linear(x, *args, plan)
+        ref = x.double().cpu() @ ref_weight(q.packed, q.scale, q.global_scale).t() + (b.double().cpu() if bias else 0)
+        assert torch.isfinite(y).all(), (M, K, N)
+        assert rel_err(y, ref) < (4e-3 if dtype == torch.bfloat16 else 1e-3), (M, K, N, rel_err(y, ref))
+        assert torch.equal(fp4_gemm.triton_linear(x, *args, plan), y)
+    assert fp4_gemm.plan_forward(24, 37888, 3584, torch.bfloat16, DEV)["kernel"] == "wgmma"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = fp4_gemm.triton_linear(x, *args, plan)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(got, fp4_gemm.triton_linear(x, *args, plan))
+
+
 @gpu_only
 def test_gpu_cuda_graph_and_compile():
     """A decode-sized call replays inside a CUDA graph and runs under torch.compile with the same result."""
@@ -410,9 +446,10 @@ def test_bench_table_names_every_planned_kernel():
     lines = fp4_gemm._table(rows, 4.25, device="a GPU").splitlines()
     body = [l for l in lines if l.startswith("| s") or l.startswith("| dx")]
     assert len(body) == len(rows)
-    assert {r["plan"]["kernel"] for r in rows} == {"mma", "gemv", "tiled", "dequant"}
+    assert {r["plan"]["kernel"] for r in rows} == {"mma", "gemv", "wgmma", "tiled", "dequant"}
     for r, line in zip(rows, body):
-        label = {"mma": "mma ", "gemv": "gemv ", "tiled": "tiled ", "dequant": "dequant+cuBLAS"}[r["plan"]["kernel"]]
+        label = {"mma": "mma ", "gemv": "gemv ", "wgmma": "wgmma ", "tiled": "tiled ",
+                 "dequant": "dequant+cuBLAS"}[r["plan"]["kernel"]]
         assert f"| {label}" in line and f"| {r['ms'] * 1e3:.1f} |" in line, line
 
 
@@ -578,3 +615,39 @@ def test_decode_ptx_blocks_emulated():
             lo, hi = _halves(regs[out], ty)
             np.testing.assert_array_equal(lo, e2m1[code(2 * b_lo + nib)] * s[:, b_lo])
             np.testing.assert_array_equal(hi, e2m1[code(2 * b_hi + nib)] * s[:, b_hi])
+
+
+@pytest.mark.skipif(not fp4_gemm.HAS_GLUON, reason="needs triton with Gluon")
+@pytest.mark.parametrize("f16", [False, True])
+def test_wgmma_decode_and_k_order_emulated(f16):
+    """The wgmma kernel's word decode (PTX, run on the CPU emulator) and its K order. Lane 4g + t decodes
+    the 16 bytes of row g at physical k (bk/4) t .. of each k-step; the 8 values of word j, in the order
+    the asm emits them, fill wgmma's register operand, which per the PTX ISA gives the lane columns 2t,
+    2t+1, 2t+8, 2t+9 of each k16 chunk (chunk-major: element 4 a + 2 b + h of word j goes to chunk 2 j +
+    a, column 8 b + 2 t + h). x permuted by wgmma_k_order must then meet every weight at its own k: the
+    product equals W @ x in float64."""
+    rng = np.random.default_rng(11 + f16)
+    bk, K = 128, 256
+    codes = rng.integers(0, 16, (8, K))  # 8 rows (g), physical k
+    sbytes = rng.integers(0, 0x7F, (8, K // 16)) | (rng.integers(0, 2, (8, K // 16)) << 7)  # E4M3, no NaN
+    scale = torch.tensor(sbytes.astype(np.uint8)).view(torch.float8_e4m3fn).double().numpy()  # (8, K/16)
+    w = np.array(E2M1_SIGNED)[codes] * np.repeat(scale, 16, axis=1)  # (8, K) float64
+    lane = np.arange(32)
+    g, t = lane // 4, lane % 4
+    a_mat = np.zeros((8, K))  # the MMA's left operand, column = logical k
+    for s in range(K // bk):
+        for j in range(bk // 32):
+            k0 = s * bk + (bk // 4) * t + 8 * j  # (lane,): physical k of the word's first code
+            word = sum(codes[g, k0 + i].astype(np.uint64) << (4 * i) for i in range(8)).astype(np.uint32)
+            sv = scale[g, k0 // 16] * (2.0**6 if f16 else 2.0**118)
+            ty = "f16" if f16 else "bf16"
+            regs = run_ptx_warp(fp4_gemm._wgmma_word_asm(f16), {"$4": word, "$12": _pack(sv, sv, ty)})
+            for r in range(4):
+                for h, v in enumerate(_halves(regs[f"${r}"], ty)):
+                    e = 2 * r + h
+                    a, b = e // 4, (e // 2) % 2
+                    a_mat[g, s * bk + 16 * (2 * j + a) + 8 * b + 2 * t + (e % 2)] = v
+    x = rng.standard_normal((5, K))
+    order = fp4_gemm.wgmma_k_order(K, bk, torch.device("cpu")).numpy()
+    assert sorted(order) == list(range(K))
+    np.testing.assert_allclose(a_mat @ x[:, order].T * 256, w @ x.T, rtol=1e-12, atol=1e-12)

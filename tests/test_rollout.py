@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import aqn
+import fp4_gemm
 import lora
 import model as M
 import rollout
@@ -241,11 +242,14 @@ def test_gpu_graphs_and_kernels_match_eager_torch(hf_folder):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("n", [1, 2])
-def test_gpu_nvfp4_lora_decode_in_bf16(hf_folder, n):
+@pytest.mark.parametrize("n,kernel", [(1, None), (2, None), (4, "wgmma")])
+def test_gpu_nvfp4_lora_decode_in_bf16(hf_folder, n, kernel):
     """The bf16 NVFP4 decode of up to 8 rows, where each base GEMM computes its LoRA A product in the same
     launch (fp4_gemm.fp4_linear_side): logprobs match one full forward with the adapters (to bf16
-    rounding) far better than they match the model without them."""
+    rounding) far better than they match the model without them. kernel="wgmma": every NVFP4 GEMM of
+    the rollout through the Hopper wgmma kernel (which the per-shape plan keeps for wide layers)."""
+    if kernel == "wgmma" and not (fp4_gemm.HAS_GLUON and torch.cuda.get_device_capability() == (9, 0)):
+        pytest.skip("the wgmma kernel needs triton with Gluon and a Hopper GPU")
     hf, folder = hf_folder("qwen2", seed=11, **{**CFG, "hidden_size": 256, "num_attention_heads": 4,
                                                  "num_key_value_heads": 2, "intermediate_size": 512})
     model = M.Transformer.from_pretrained(folder, dtype=torch.bfloat16, device="cuda", quantize=True)
@@ -254,8 +258,9 @@ def test_gpu_nvfp4_lora_decode_in_bf16(hf_folder, n):
         for m in lora.lora_modules(model).values():
             m.lora_B.weight.normal_(0, 0.2)
     prompts = prompts_of([13, 4, 30, 7][: 8 // n], 97, seed=12)
-    r = rollout.generate(model, prompts, n=n, max_new_tokens=24, temperature=1.0, seed=3, kernels="triton",
-                         graphs=True)
+    with fp4_gemm.backend("auto", kernel=kernel):
+        r = rollout.generate(model, prompts, n=n, max_new_tokens=24, temperature=1.0, seed=3, kernels="triton",
+                             graphs=True)
     err, effect = [], []
     for i, comp in rows(r):
         idx = torch.tensor(comp, device="cuda")[:, None]
