@@ -102,6 +102,7 @@ matmul (per-row global scales keep the separately quantized parts exact).
 """
 import argparse
 import contextlib
+import functools
 import math
 import os
 import sys
@@ -1097,7 +1098,12 @@ def plan_forward(M, N, K, dtype, device, mma=True):
 def _wgmma_runs(K, dtype, device):
     """The wgmma kernel needs Gluon, a Hopper GPU (sm_90), 16-bit x and K in whole k-steps of 128."""
     return (HAS_GLUON and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and K % 128 == 0
-            and torch.cuda.is_available() and torch.cuda.get_device_capability(device) == (9, 0))
+            and _is_hopper(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _is_hopper(device):  # (asked on every call of a layer: cached)
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(device) == (9, 0)
 
 
 def plan_dx(M, N, K, dtype, device):
