@@ -126,13 +126,14 @@ try:
     HAS_TRITON = True
 except ImportError:  # the torch path still works
     HAS_TRITON = False
-try:  # Gluon (triton >= 3.5): Triton with explicit layouts, for the Hopper wgmma kernel
+try:  # Gluon: Triton with explicit layouts, for the Hopper wgmma kernel. Its API still moves between
+    # releases: the kernel ran with triton 3.6 and compiles with 3.8; older ones use the other kernels.
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
-    HAS_GLUON = True
+    HAS_GLUON = tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 6)
 except ImportError:  # the other kernels serve every shape
     HAS_GLUON = False
 
@@ -869,6 +870,7 @@ if HAS_GLUON:
                          f"and.b32 v, v, {mag}; {mul} ${j}, v, $12;")
         return "{ .reg .b32 u, v, h; " + " ".join(steps) + " }"
 
+    _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # (the name in triton >= 3.7 / 3.6)
     _WGMMA_ASM: gl.constexpr = gl.constexpr((_wgmma_word_asm(False), _wgmma_word_asm(True)))
     _WGMMA_CONSTRAINTS: gl.constexpr = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 16))
 
@@ -975,10 +977,10 @@ if HAS_GLUON:
             sb_next = gl.load(s_ptrs + nxt * (BK // 16))
             a = _wgmma_decode(words, sb, a_l, BK, F16)
             async_copy.wait_group(1)  # this step's x has landed (the next one may still be in flight)
-            gl.thread_barrier()
+            _cta_barrier()
             fence_async_shared()
             acc = warpgroup_mma(a, x_bufs.index(i % 2).permute((1, 0)), acc)
-            gl.thread_barrier()  # every warp is done with this buffer before the next step refills it
+            _cta_barrier()  # every warp is done with this buffer before the next step refills it
             words = words_next
             sb = sb_next
         # epilogue in a layout with each thread on 4 consecutive rows (= contiguous outputs of a token)
@@ -991,7 +993,7 @@ if HAS_GLUON:
         if SPLIT_K > 1:
             part = part_ptr + toks[None, :].to(gl.int64) * N + rows[:, None]  # split s at + s · M · N
             gl.store(part + pid_k * M * N, acc, mask=mask)
-            gl.thread_barrier()  # every thread's partial is written before the ticket is taken
+            _cta_barrier()  # every thread's partial is written before the ticket is taken
             tile = pid_m * gl.num_programs(0) + pid_n
             if gl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
                 acc = gl.zeros((64, BT), gl.float32, layout=out_l)
