@@ -65,8 +65,9 @@ Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
   so that its k order matches what each lane decodes), the decoded weights are wgmma's left operand
   straight from registers (no shared-memory round trip), the next k-step's x copies (cp.async) and
   codes load while this one decodes. 1.75x / 1.57x cuBLAS for gate/up / down at M = 16, 1.35x / 1.12x
-  at M = 64. What bounds it was not found: prefetching two k-steps ahead, two row tiles a warpgroup
-  (x read half as often) and two warpgroups a program all measured slower (results/fp4_gemm_h200.md).
+  at M = 64. At 16 rows Nsight Compute puts the block-wide barriers of each k-step first among the
+  stalls; prefetching two k-steps ahead, two row tiles a warpgroup (x read half as often) and two
+  warpgroups a program all measured slower (results/fp4_gemm_h200.md).
   Gluon has no interpreter: on CPU the tests run its PTX on the emulator and check the K order
   against it; on a Hopper GPU they check the kernel against float64.
 - tiled (2 <= M <= 128 where mma and wgmma do not serve): fused dequantize + tl.dot tiles (BM = 16,
@@ -870,7 +871,7 @@ if HAS_GLUON:
                          f"and.b32 v, v, {mag}; {mul} ${j}, v, $12;")
         return "{ .reg .b32 u, v, h; " + " ".join(steps) + " }"
 
-    _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # (the name in triton >= 3.7 / 3.6)
+    _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # (triton 3.8's name / 3.6's)
     _WGMMA_ASM: gl.constexpr = gl.constexpr((_wgmma_word_asm(False), _wgmma_word_asm(True)))
     _WGMMA_CONSTRAINTS: gl.constexpr = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 16))
 
