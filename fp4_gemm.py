@@ -1070,7 +1070,7 @@ def plan_forward(M, N, K, dtype, device, mma=True):
         # is no multiple of 256); K split to give the narrow layers more programs: 8 ways below 64 rows of x,
         # then 4 for down's long K and 2 for q/k/v and o; gate/up has programs enough (the best found on the
         # Qwen2.5-7B shapes: `--tune`, results/fp4_gemm_h200.md)
-        bt = 16 if M <= 16 else 32 if M <= 32 else 64
+        bt = _wgmma_rows_of_x(M)
         bk = 256 if K % 256 == 0 else 128
         split = 1 if N >= 16384 else 8 if bt < 64 else 4 if K >= 8192 else 2
         return dict(kernel="wgmma", BT=bt, BLOCK_K=bk, SPLIT_K=split)
@@ -1096,6 +1096,11 @@ def plan_forward(M, N, K, dtype, device, mma=True):
     else:
         cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLIT_K=2, num_warps=4, num_stages=4)
     return dict(kernel="tiled", GROUP_M=8, **cfg)
+
+
+def _wgmma_rows_of_x(M):
+    """Rows of x a wgmma program takes (the MMA's N): 16, 32 or 64, the smallest that holds M, at most 64."""
+    return 16 if M <= 16 else 32 if M <= 32 else 64
 
 
 def _wgmma_runs(K, dtype, device):
@@ -1145,11 +1150,13 @@ _LOCKS = 1 << 16
 _lock_buffers = {}
 
 
-def _locks(device):
-    """Split-K tickets for the mma kernel and small_linear: one int32 counter per output
-    tile, zero between calls (the last program of a tile resets it). Allocated once per device, so CUDA
-    graphs can keep its address. Kernels on two streams at once would share the counters: run these
-    kernels on one stream."""
+def _locks(device, tiles=0):
+    """Split-K tickets for the mma and wgmma kernels and small_linear: one int32 counter per output
+    tile (`tiles` of them needed), zero between calls (the last program of a tile resets it). Allocated
+    once per device, so CUDA graphs can keep its address. Kernels on two streams at once would share the
+    counters: run these kernels on one stream."""
+    if tiles > _LOCKS:
+        raise ValueError(f"fp4_linear: {tiles} output tiles exceed the split-K counters ({_LOCKS})")
     if device not in _lock_buffers:
         _lock_buffers[device] = torch.zeros(_LOCKS, dtype=torch.int32, device=device)
     return _lock_buffers[device]
@@ -1204,9 +1211,9 @@ def small_linear(x2, A, bk=256):
     out = torch.empty(M, SR, dtype=x2.dtype, device=x2.device)
     part = torch.empty(split, M, SR, dtype=torch.float32, device=x2.device) if split > 1 else out
     grid = (triton.cdiv(SR, 16), split, triton.cdiv(M, 16))
-    _kernels(x2.device)._small_kernel[grid](x2, A, out, part, _locks(x2.device), M, K, SR, x2.stride(0), k_split,
-                                            SPLIT=split, SPLIT_PAD=triton.next_power_of_2(split), BK=bk,
-                                            F32=x2.dtype == torch.float32 or not x2.is_cuda, num_warps=4)
+    _kernels(x2.device)._small_kernel[grid](x2, A, out, part, _locks(x2.device, grid[0] * grid[2]), M, K, SR,
+                                            x2.stride(0), k_split, SPLIT=split, SPLIT_PAD=triton.next_power_of_2(split),
+                                            BK=bk, F32=x2.dtype == torch.float32 or not x2.is_cuda, num_warps=4)
     return out
 
 
@@ -1247,12 +1254,11 @@ def _wgmma_linear(x2, packed, scale_u8, gs, bias, plan):
     y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     part = torch.empty(split, M, N, dtype=torch.float32, device=x2.device) if split > 1 else y
     grid = (triton.cdiv(N, 64), triton.cdiv(M, bt), split)
-    if grid[0] * grid[1] > _LOCKS:
-        raise ValueError(f"fp4_linear: {grid[0] * grid[1]} output tiles exceed the split-K counters ({_LOCKS})")
-    _wgmma_kernel[grid](xp, packed, scale_u8, gs, bias if bias is not None else gs, y, part, _locks(x2.device), M, N,
-                        steps, xp.stride(0), y.stride(0), packed.stride(0) // 4, scale_u8.stride(0), split_steps,
-                        BT=bt, BK=bk, SPLIT_K=split, GS_PER_ROW=gs.numel() > 1, HAS_BIAS=bias is not None,
-                        F16=x2.dtype == torch.float16, num_warps=4)
+    _wgmma_kernel[grid](xp, packed, scale_u8, gs, bias if bias is not None else gs, y, part,
+                        _locks(x2.device, grid[0] * grid[1]), M, N, steps, xp.stride(0), y.stride(0),
+                        packed.stride(0) // 4, scale_u8.stride(0), split_steps, BT=bt, BK=bk, SPLIT_K=split,
+                        GS_PER_ROW=gs.numel() > 1, HAS_BIAS=bias is not None, F16=x2.dtype == torch.float16,
+                        num_warps=4)
     return y
 
 
@@ -1298,12 +1304,10 @@ def triton_linear(x2, packed, scale_u8, gs, bias, plan=None, side=None):
             sa, sout = side.contiguous(), torch.empty(M, sr, dtype=x2.dtype, device=x2.device)
             spart = torch.empty(sside, M, sr, dtype=torch.float32, device=x2.device) if sside > 1 else sout
             grid[0] += triton.cdiv(sr, 16) * cols
-        if grid[0] * grid[1] > _LOCKS:
-            raise ValueError(f"fp4_linear: {grid[0] * grid[1]} output tiles exceed the split-K counters ({_LOCKS})")
-        ker._mma_kernel[tuple(grid)](x2, packed, scale_u8, gs, bias_arg, y, part, _locks(x2.device), M, N, K,
-                                     x2.stride(0) // 2, y.stride(0), packed.stride(0) // 4, scale_u8.stride(0),
-                                     k_split, sa, sout, spart, sr, n_w, sk, ROW_TILES=rt, NUM_WARPS=nw,
-                                     EVEN_K=K % 256 == 0 and k_split % 256 == 0,
+        ker._mma_kernel[tuple(grid)](x2, packed, scale_u8, gs, bias_arg, y, part,
+                                     _locks(x2.device, grid[0] * grid[1]), M, N, K, x2.stride(0) // 2, y.stride(0),
+                                     packed.stride(0) // 4, scale_u8.stride(0), k_split, sa, sout, spart, sr, n_w, sk,
+                                     ROW_TILES=rt, NUM_WARPS=nw, EVEN_K=K % 256 == 0 and k_split % 256 == 0,
                                      USE_ASM=x2.is_cuda and plan.get("asm", True), F16=x2.dtype == torch.float16,
                                      SIDE_COLS=cols, SIDE_SPLIT=sside, SIDE_PAD=triton.next_power_of_2(sside),
                                      SIDE_F32=not x2.is_cuda,
@@ -1627,7 +1631,7 @@ def _candidates(M, N, K, direction):
                 if split == 1 or triton.cdiv(N, bn) * split <= 1800:
                     c.append(dict(kernel="gemv", BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=w, num_stages=1))
     if 8 < M <= 256:
-        bt = 16 if M <= 16 else 32 if M <= 32 else 64
+        bt = _wgmma_rows_of_x(M)
         for bk in (128, 256):
             if K % bk == 0:
                 for split in (1, 2, 4, 8, 16):
