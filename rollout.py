@@ -83,7 +83,8 @@ kernels 0.48; gaps between the 342 graphed launches 0.18. Without the graph a st
 (Python and launch overhead; session 1's measurement). The LoRA-A products as launches of their own
 cost 4.2-8.2 µs each (0.47 ms a step, at 3.42 ms a step), inside the GEMM's launch 0.4-3 µs. What
 remains, in order: the fp4 GEMMs at ~1.9 TB/s instead of ~4 (memory latency and a busy ALU pipe, see
-fp4_gemm.py), and an fp4 kernel for 16-64 rows (batch 64 is 0.85x bf16's speed in NVFP4).
+fp4_gemm.py), and faster fp4 GEMMs for 16-64 rows (batch 64, with fp4_gemm's wgmma kernel for gate/up
+and down, runs at 6.46 ms a step, 1.02x bf16's speed).
 
 Departures. vLLM (which the official QeRL code uses) pages its KV cache and batches continuously;
 here a batch is static and every row shares the cache's column index (left padding), which keeps the
