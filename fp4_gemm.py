@@ -59,21 +59,23 @@ Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
   wgmma kernel below shares it).
 - gemv (M = 1 with fp32 x): a program owns 8 weight rows and walks K in steps of 512 with 16-byte
   loads of packed codes, multiply-adding in fp32; optional split-K with a reduce kernel.
-- wgmma (9 <= M <= 128 on Hopper for the wide layers, gate/up and down, and above 64 rows for all;
-  Gluon, 16-bit x): the mma kernel's idea on Hopper's warpgroup MMA. A warpgroup owns 64 weight rows
-  and up to 64 rows of x; x sits in shared memory once per program (permuted along K by one gather,
-  so that its k order matches what each lane decodes), the decoded weights are wgmma's left operand
-  straight from registers (no shared-memory round trip), the next k-step's x copies (cp.async) and
-  codes load while this one decodes. 1.75x / 1.57x cuBLAS for gate/up / down at M = 16, 1.35x / 1.12x
-  at M = 64. At 16 rows Nsight Compute puts the block-wide barriers of each k-step first among the
-  stalls; prefetching two k-steps ahead, two row tiles a warpgroup (x read half as often) and two
-  warpgroups a program all measured slower (results/fp4_gemm_h200.md).
+- wgmma (9 <= M <= 128 on Hopper; Gluon, 16-bit x): the mma kernel's idea on Hopper's warpgroup
+  MMA. A warpgroup owns 64 weight rows and up to 64 rows of x; x sits in shared memory once per
+  program (put in the K order that each lane decodes by a small Triton kernel first, `k_ordered`), the
+  decoded weights are wgmma's left operand straight from registers (no shared-memory round trip), the
+  next k-step's x copies (cp.async) and codes load while this one decodes. At M = 16 1.96x / 1.83x
+  cuBLAS for gate/up / down and 1.20x / 1.42x for q/k/v / o; at M = 64 1.47x / 1.21x and 0.82x /
+  0.79x. At 16 rows Nsight Compute puts the block-wide barriers of each k-step first among the
+  stalls, yet a third x buffer that removes one of them gained 0-4% there and lost up to 14% at
+  64-128 rows; prefetching two k-steps ahead, two row tiles a warpgroup (x read half as often) and two
+  warpgroups a program all measured slower too (results/fp4_gemm_h200.md).
   Gluon has no interpreter: on CPU the tests run its PTX on the emulator and check the K order
   against it; on a Hopper GPU they check the kernel against float64.
-- tiled (2 <= M <= 128 where mma and wgmma do not serve): fused dequantize + tl.dot tiles (BM = 16,
-  32 or 64), grouped tile order so a weight tile is read from HBM once, split-K (up to 8) where the
-  tiles are few. 0.9-1.2x cuBLAS for q/k/v and o at M = 16, 0.7x at M = 64: the decode and the layout
-  shuffle Triton adds before the MMA cost more issue slots than the bytes saved.
+- tiled (2 <= M <= 128 where mma and wgmma do not serve: GPUs other than Hopper, or K not a multiple
+  of 128): fused dequantize + tl.dot tiles (BM = 16, 32 or 64), grouped tile order so a weight tile is
+  read from HBM once, split-K (up to 8) where the tiles are few. On the H200 0.9-1.2x cuBLAS for q/k/v
+  and o at M = 16, 0.7x at M = 64: the decode and the layout shuffle Triton adds before the MMA cost
+  more issue slots than the bytes saved.
 - dequant + cuBLAS (M > 128, fp32 inputs): a Triton kernel writes this one layer's weight in x's
   dtype, bit-identical to nvfp4.dequantize (same float32 arithmetic), and cuBLAS multiplies; the copy
   dies right after. 0.73-0.81x cuBLAS at M = 1024, 0.75-0.93x at M = 4096 (the spread of three
@@ -554,7 +556,7 @@ if HAS_TRITON:
                  mask=mask)
 
 
-    # ---- a small dense product riding along: x (M <= 16 rows) @ A^T for a LoRA A -------------------
+    # ---- a small dense product riding along: x (a few rows) @ A^T for a LoRA A ---------------------
 
     @triton.jit
     def _small_part(x_ptr, a_ptr, out_ptr, part_ptr, lock_ptr, M, K, SR, stride_xm, pid_m, tile, chunk, k_split,
@@ -602,6 +604,21 @@ if HAS_TRITON:
         _small_part(x_ptr, a_ptr, out_ptr, part_ptr, lock_ptr, M, K, SR, stride_xm, pid_m, tile, tl.program_id(1),
                     k_split, pid_m * tl.num_programs(0) + tile, SPLIT, SPLIT_PAD, BK, F32)
 
+
+    # ---- x in the wgmma kernel's K order ----------------------------------------------------------
+
+    @triton.jit
+    def _k_order_kernel(x_ptr, out_ptr, K, stride_xm, stride_xk, BK: tl.constexpr, BLOCK: tl.constexpr):
+        """Program (k block, row m): out[m, k] = x[m, wgmma_k_order[k]] for BLOCK columns k (the same
+        formula as wgmma_k_order, without an index tensor). x was just written by the kernel before:
+        the gathers hit L2."""
+        m = tl.program_id(1).to(tl.int64)
+        k = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        col = k % BK
+        c, b, t, h = col // 16, (col // 8) % 2, (col // 2) % 4, col % 2
+        phys = (BK // 4) * t + 8 * (c // 2) + 3 - (2 * (c % 2) + b) + 4 * h
+        ok = k < K
+        tl.store(out_ptr + m * K + k, tl.load(x_ptr + m * stride_xm + ((k - col) + phys) * stride_xk, mask=ok), mask=ok)
 
     # ---- the tensor-core GEMV (up to 8 rows of x a program): Marlin's idea as one PTX block ----
     #
@@ -847,13 +864,14 @@ if HAS_TRITON:
 # k-step), the mma kernel's PTX decodes each 32-bit word into the pairs (k3, k7), (k2, k6), (k1, k5),
 # (k0, k4) (exact e2m1 * s * 2^-8), and those registers ARE the operand (Gluon checks that the layout
 # conversion is free: assert_trivial). The right operand must follow the same order, so x is permuted
-# along K once per call (wgmma_k_order: one gather of x, shared by the fused q/k/v or gate/up parts).
+# along K once per call (k_ordered, a Triton kernel with wgmma_k_order's formula; one launch).
 # Pipelining: x of the next k-step copies into a second shared buffer (cp.async) and the next step's
 # codes and scales load into registers while this one decodes and multiplies. Split-K as the mma
 # kernel's: fp32 partials and a ticket, the last program of a tile sums them in order.
-# What it measured (H200, results/fp4_gemm_h200.md): gate/up at 64 rows of x 61 us against the tiled
-# kernel's 95 and cuBLAS's 83; q/k/v and o (few output tiles) stay faster on the tiled kernel up to 64
-# rows; at 256 rows, where the decode repeats for every 64 rows of x, dequant + cuBLAS is as fast.
+# What it measured (H200, results/fp4_gemm_h200.md): gate/up at 64 rows of x 56 us against the tiled
+# kernel's 95 and cuBLAS's 83; q/k/v and o (few output tiles) 15 and 13 us against the tiled kernel's
+# 18 and 15 (cuBLAS: 13 and 10); at 256 rows, where the decode repeats for every 64 rows of x, dequant
+# + cuBLAS is as fast.
 if HAS_GLUON:
     def _wgmma_word_asm(f16):
         """8 codes of a 32-bit word ($4; pack = 8 gives the asm 8 copies, $4-$11) → 4 registers $0-$3 of
@@ -1048,8 +1066,8 @@ def plan_forward(M, N, K, dtype, device, mma=True):
             kernel = "mma"  # 1.6-2.4x cuBLAS at M = 1, 1.4-2.0x at M = 8
         elif M == 1:
             kernel = "gemv"  # 1.2-1.8x
-        elif M <= 128 and wgmma and (N >= 16384 or K >= 8192 or M > 64):
-            kernel = "wgmma"  # gate/up, down: 1.6-1.75x cuBLAS at 16 rows, 1.1-1.35x at 64 (q/k/v, o: tiled)
+        elif M <= 128 and wgmma:
+            kernel = "wgmma"  # 1.2-2.0x cuBLAS at 16 rows, 0.8-1.4x at 64
         elif M > 128 or dtype == torch.float32:
             kernel = "dequant"  # compute dominates: this layer's bf16 weight + cuBLAS (fp32: exact fp32 GEMM)
         else:
@@ -1068,11 +1086,14 @@ def plan_forward(M, N, K, dtype, device, mma=True):
         return dict(kernel="mma", ROW_TILES=rt, num_warps=4, SPLIT_K=split)
     if kernel == "wgmma":  # 64 weight rows x 16, 32 or 64 rows of x a program, k-steps of 256 (128 where K
         # is no multiple of 256); K split to give the narrow layers more programs: 8 ways below 64 rows of x,
-        # then 4 for down's long K and 2 for q/k/v and o; gate/up has programs enough (the best found on the
-        # Qwen2.5-7B shapes: `--tune`, results/fp4_gemm_h200.md)
+        # 4 at 64 rows, 2 above; gate/up has programs enough from 32 rows (the best found on the Qwen2.5-7B
+        # shapes: `--tune`, results/fp4_gemm_h200.md)
         bt = _wgmma_rows_of_x(M)
         bk = 256 if K % 256 == 0 else 128
-        split = 1 if N >= 16384 else 8 if bt < 64 else 4 if K >= 8192 else 2
+        if N >= 16384:
+            split = 2 if bt == 16 else 1
+        else:
+            split = 8 if bt < 64 else 4 if M <= 64 else 2
         return dict(kernel="wgmma", BT=bt, BLOCK_K=bk, SPLIT_K=split)
     if kernel == "gemv":  # 8 rows a program; split K in two when that still leaves few programs
         return dict(kernel="gemv", BLOCK_N=8, BLOCK_K=512, SPLIT_K=2 if triton.cdiv(N, 8) < 500 else 1,
@@ -1200,7 +1221,7 @@ def _small_split(K, bk=256):
 
 
 def small_linear(x2, A, bk=256):
-    """x2 (M, K) @ A^T (SR, K) for a handful of rows (decode: M <= 16) and a small dense A (a LoRA A)
+    """x2 (M, K) @ A^T (SR, K) for a few rows (decode: M <= 64) and a small dense A (a LoRA A)
     in one launch: K split in whole blocks of bk (at most 32 chunks, so tens of programs share A's bytes),
     the last program of a tile sums the fp32 partials in order (deterministic). cuBLAS takes two
     launches here (a split-K GEMM and a reduce). x2 and A share a dtype, as does the result."""
@@ -1218,9 +1239,12 @@ def small_linear(x2, A, bk=256):
 
 
 def side_linear(x2, side):
-    """x2 @ side^T on the Triton path with no weight to ride along with: small_linear for up to 16 rows,
-    cuBLAS above (its tiles are then big enough)."""
-    return small_linear(x2, side) if x2.shape[0] <= 16 else torch.nn.functional.linear(x2, side)
+    """x2 @ side^T on the Triton path with no weight to ride along with: small_linear up to 64 rows (32
+    for a K of 8192 or more), cuBLAS above. On the H200 at rank 32 (a LoRA A), small_linear took 4.0-5.9
+    µs up to 64 rows at K = 3584, where cuBLAS took 6.1-6.9 µs in two launches (a split-K GEMM and a
+    reduce); at K = 18944 they tie at 32 rows and cuBLAS wins at 64 (7.0 against 8.3 µs)."""
+    M, K = x2.shape
+    return small_linear(x2, side) if M <= (32 if K >= 8192 else 64) else torch.nn.functional.linear(x2, side)
 
 
 _k_orders = {}
@@ -1241,13 +1265,26 @@ def wgmma_k_order(K, bk, device):
     return _k_orders[key]
 
 
+def k_ordered(x2, bk):
+    """x2 (M, K) permuted along K into the wgmma kernel's order (x2[:, wgmma_k_order(K, bk)]) in one
+    Triton launch: 1.6-5.0 µs up to 64 rows on the H200, where torch's index_select, a general gather,
+    took 4.5-5.5."""
+    M, K = x2.shape
+    out = torch.empty(M, K, dtype=x2.dtype, device=x2.device)
+    if M:
+        block = 1024
+        _kernels(x2.device)._k_order_kernel[(triton.cdiv(K, block), M)](x2, out, K, *x2.stride(), BK=bk, BLOCK=block,
+                                                                        num_warps=4)
+    return out
+
+
 def _wgmma_linear(x2, packed, scale_u8, gs, bias, plan):
-    """The wgmma kernel's launch: x permuted along K (one gather), then one launch that also sums its
+    """The wgmma kernel's launch: x permuted along K (k_ordered), then one launch that also sums its
     split-K partials."""
     M, K = x2.shape
     N = packed.shape[0]
     bt, bk = plan["BT"], plan["BLOCK_K"]
-    xp = x2.index_select(1, wgmma_k_order(K, bk, x2.device))
+    xp = k_ordered(x2, bk)
     steps = K // bk
     split_steps = triton.cdiv(steps, plan["SPLIT_K"])
     split = triton.cdiv(steps, split_steps)  # (every split non-empty)

@@ -41,10 +41,11 @@ has finished). The step per layer, with the launches it costs:
     act     = silu_mul(gu + a·B^T)                   1   LoRA B, SiLU, product
     delta   = down(act) + LoRA                     2 (+1)
 
-so 12 launches a layer for an NVFP4 base at up to 8 rows (342 a step for Qwen2.5-7B), 16 otherwise
-(the (+1)s: the LoRA A products as launches of their own, fp4_gemm.small_linear up to 16 rows, whose
-split K ends with the last program summing the partials, and cuBLAS above, whose tiles are then big
-enough).
+so 12 launches a layer for an NVFP4 base at up to 8 rows (342 a step for Qwen2.5-7B), 16 for a bf16
+base, and 20 for NVFP4 from 9 rows on a Hopper GPU, where each of fp4_gemm's wgmma GEMMs first puts x
+in its K order in a launch of its own (fp4_gemm.k_ordered). The (+1)s: the LoRA A products as launches
+of their own, fp4_gemm.small_linear up to 64 rows (32 for down's long K), whose split K ends with the
+last program summing the partials, and cuBLAS above, whose tiles are then big enough.
 
 LoRA stays unmerged (the adapters change every RL step; merging would mean re-quantizing the base):
 its A's and B's are copied at the start of every generate() call, in the model's dtype and with
@@ -83,8 +84,10 @@ kernels 0.48; gaps between the 342 graphed launches 0.18. Without the graph a st
 (Python and launch overhead; session 1's measurement). The LoRA-A products as launches of their own
 cost 4.2-8.2 µs each (0.47 ms a step, at 3.42 ms a step), inside the GEMM's launch 0.4-3 µs. What
 remains, in order: the fp4 GEMMs at ~1.9 TB/s instead of ~4 (memory latency and a busy ALU pipe, see
-fp4_gemm.py), and faster fp4 GEMMs for 16-64 rows (batch 64, with fp4_gemm's wgmma kernel for gate/up
-and down, runs at 6.46 ms a step, 1.02x bf16's speed).
+fp4_gemm.py), and faster fp4 GEMMs for 16-64 rows. Batch 64 runs at 5.98 ms a step, 1.06x bf16's
+speed; a profile of a near-final version (q/k/v and o still on the tiled kernel) put 3.34 of its
+5.73 ms of kernel time in the fp4 GEMMs, 0.69 in the LoRA-A products, 0.62 in attention, 0.42 in
+lm_head and the LoRA-B addmm, 0.20 in putting x in the wgmma kernel's K order.
 
 Departures. vLLM (which the official QeRL code uses) pages its KV cache and batches continuously;
 here a batch is static and every row shares the cache's column index (left padding), which keeps the
@@ -748,7 +751,7 @@ class Decoder:
     def gemm(self, grp, x):
         """A group's base GEMM and a = x @ A^T (M, sections·R) of its adapters (None without LoRA). An
         NVFP4 group at decode computes a in the GEMM's own launch (fp4_gemm.fp4_linear_side); otherwise
-        decode batches (M <= 16) take fp4_gemm.small_linear, larger ones cuBLAS."""
+        fp4_gemm.side_linear picks small_linear or cuBLAS by the batch."""
         if not grp.R:
             return grp.gemm(x), None
         if self.triton and isinstance(grp.gemm, fp4_gemm.QuantLinear):

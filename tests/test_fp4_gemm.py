@@ -651,3 +651,17 @@ def test_wgmma_decode_and_k_order_emulated(f16):
     order = fp4_gemm.wgmma_k_order(K, bk, torch.device("cpu")).numpy()
     assert sorted(order) == list(range(K))
     np.testing.assert_allclose(a_mat @ x[:, order].T * 256, w @ x.T, rtol=1e-12, atol=1e-12)
+
+
+@needs_triton
+@pytest.mark.parametrize("M,K,bk,dtype,strided", [(3, 256, 128, torch.bfloat16, False),
+                                                  (5, 768, 256, torch.float16, True),
+                                                  (1, 2176, 128, torch.float32, True)])
+def test_k_ordered_kernel_is_wgmma_k_order(M, K, bk, dtype, strided, poisoned):
+    """The Triton permutation in front of the wgmma kernel (k_ordered, its own copy of the order's
+    formula) moves every element where wgmma_k_order (checked against the decode above) says, for
+    row-strided and column-strided x; K = 2176 spans more than two of its blocks of 1024."""
+    x = torch.randn(M, 2 * K, generator=torch.Generator().manual_seed(M + K)).to(DEV, dtype)
+    x = x[:, ::2] if strided else x[:, :K]
+    got = fp4_gemm.k_ordered(x, bk)
+    assert torch.equal(got, x.index_select(1, fp4_gemm.wgmma_k_order(K, bk, x.device)))
