@@ -9,7 +9,7 @@ a 32B model on one 80 GB GPU. This script measures both on Qwen2.5-shaped models
                every configuration decodes the same amount)
              + a reward stand-in (random 0/1 per completion, so every group carries signal)
              + one update pass of train.update (DAPO loss, activation checkpointing, chunked logprobs,
-               AdamW on the LoRA parameters)
+               the blocks through torch.compile as train.py does on a GPU, AdamW on the LoRA parameters)
 
 and prints rollout tokens/s, update tokens/s, the step time split, peak GPU memory
 (torch.cuda.max_memory_allocated) and the NVFP4 / bf16 ratios. `--mem-cap-gb 80` caps the process
@@ -43,6 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per update forward/backward")
     p.add_argument("--mem-cap-gb", type=float, default=None, help="cap this process's GPU memory (e.g. 80)")
     p.add_argument("--decode-batch1", action="store_true", help="also time batch-1 rollout tok/s")
+    p.add_argument("--no-compile", action="store_true", help="update with eager blocks (as train.py --no-compile)")
     return p.parse_args(argv)
 
 
@@ -70,6 +71,7 @@ def run_mode(a, mode, device, cfg):
     for p in params:  # nonzero B, as after some training, so the adapters do real work
         p.data.normal_(0, 1e-3)
     model.gradient_checkpointing = True
+    model.compile_blocks = None if a.no_compile or device.type != "cuda" else "inductor"  # (as train.py)
     optimizer = torch.optim.AdamW(params, lr=1e-5)
     build_s = time.time() - t0
     gen = torch.Generator().manual_seed(0)

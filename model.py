@@ -29,6 +29,7 @@ The forward takes optional positions (B, T) and a KV cache: any object with
 `attend(layer, q, k, v) -> out` and `advance(T)` (KVCache below is the plain one; rollout.py has the
 fast one). Without them it is a plain causal forward over the whole sequence.
 """
+import functools
 import json
 import os
 
@@ -175,6 +176,17 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+@functools.lru_cache(maxsize=None)
+def _compiled_block(backend):
+    """Block.forward through torch.compile, for training. The layers share the compiled code (the block
+    is an argument, its weights are graph inputs; only the first layer, whose input needs no gradient,
+    gets a graph of its own). It fuses the elementwise passes between the GEMMs (rotary, residual adds,
+    SiLU * up, LoRA's adds and casts) that eager runs as a kernel each: on the H200 a 7B update
+    micro-batch took 888 instead of 971 ms on a bf16 base, 907 instead of 1086 on NVFP4
+    (results/bench_h200.md)."""
+    return torch.compile(Block.forward, backend=backend)
+
+
 class KVCache:
     """The plain static KV cache: k, v (L, B, Hkv, S, D) allocated once; `length` columns are
     filled, the same number in every row (prompts are left-padded). `valid` (B, S) is False at
@@ -216,6 +228,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
         self.gradient_checkpointing = False  # recompute each block in backward (train.py turns it on)
+        self.compile_blocks = None  # a torch.compile backend for the blocks in training (train.py: on a GPU)
 
     def _inv_freq(self, device=None):
         d = self.config.head_dim
@@ -245,11 +258,14 @@ class Transformer(nn.Module):
             positions = torch.arange(start, start + T, device=tokens.device).expand(B, T)
         x = self.embed_tokens(tokens)  # (B, T, H)
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)  # (B, 1, T, D)
+        training = self.training and torch.is_grad_enabled()
+        compiled = _compiled_block(self.compile_blocks) if training and self.compile_blocks else None
         for layer in self.layers:
-            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                x = checkpoint(layer, x, cos, sin, cache, use_reentrant=False)
+            run = functools.partial(compiled, layer) if compiled else layer
+            if self.gradient_checkpointing and training:
+                x = checkpoint(run, x, cos, sin, cache, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, cache)
+                x = run(x, cos, sin, cache)
         if cache is not None:
             cache.advance(T)
         return self.norm(x)

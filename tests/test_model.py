@@ -127,6 +127,50 @@ def test_gradient_checkpointing_same_gradients(hf_folder):
     assert torch.allclose(grads[0], grads[1], atol=1e-6)
 
 
+@pytest.mark.parametrize("quantize", [False, True])
+def test_compiled_blocks_same_loss_and_lora_gradients(hf_folder, quantize):
+    """compile_blocks (train.py's torch.compile of the blocks in the update): the same loss and LoRA
+    gradients as eager, through checkpointing, LoRA and (quantize) the NVFP4 op. A counting backend
+    shows that the layers share their captured graphs (two: the first layer's input needs no gradient,
+    the embeddings being frozen; every later layer reuses the second, forward and recompute alike), and
+    that evaluation (no grad, or eval mode) stays eager; aot_eager then runs the autograd the way
+    inductor gets it. On the GPU where there is one, as train.py compiles only there (with a CPU model
+    on a GPU machine, compiling initializes the GPU inside the checkpointed forward, which torch's
+    checkpoint refuses)."""
+    import lora
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    _, folder = hf_folder("qwen2", num_hidden_layers=3)
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    tokens = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(1)).to(dev)
+    results = []
+    for backend in (None, counting, "aot_eager"):
+        m = M.Transformer.from_pretrained(folder, dtype=torch.float32, device=dev, quantize=quantize).train()
+        torch.manual_seed(0)
+        params = lora.apply_lora(m, rank=4, alpha=8)
+        for p in params:
+            p.data.normal_(0, 0.1)
+        m.gradient_checkpointing, m.compile_blocks = True, backend
+        loss = m(tokens).float().log_softmax(-1).mean()
+        loss.backward()
+        results.append((loss.detach(), [p.grad for p in params]))
+        if backend is counting:
+            assert len(graphs) == 2
+            with torch.no_grad():
+                m(tokens)
+            m.eval()(tokens)
+            assert len(graphs) == 2
+    for loss, grads in results[1:]:
+        torch.testing.assert_close(loss, results[0][0], rtol=1e-5, atol=1e-6)
+        for g, g0 in zip(grads, results[0][1]):
+            torch.testing.assert_close(g, g0, rtol=1e-4, atol=1e-6)
+
+
 def test_errors(hf_folder, tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="not a hub id"):
         M.Transformer.from_pretrained(str(tmp_path / "nope"))

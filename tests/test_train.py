@@ -101,6 +101,17 @@ def test_resume_finds_the_checkpoint_a_crash_left(tmp_path):
         assert path.endswith(name) and state["step"] == step
 
 
+def test_resume_of_an_older_run_fills_new_options_with_defaults(tmp_path):
+    """A run started before an option existed resumes: the option takes its default, every saved
+    setting is kept (a saved value that differs from the default shows that it wins)."""
+    saved = {k: v for k, v in vars(train.parse_args(["--steps", "7"])).items() if k != "no_compile"}
+    with open(tmp_path / "args.json", "w") as f:
+        json.dump(saved, f)
+    args = train.saved_args(str(tmp_path))
+    assert args.no_compile is False and args.steps == 7 and args.resume == str(tmp_path)
+    assert vars(args) == {**saved, "no_compile": False, "resume": str(tmp_path)}
+
+
 def test_unknown_model_fails_clearly(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a hub id"):
         train.main(["--model", "no-such-model", "--out", str(tmp_path)])
