@@ -85,9 +85,9 @@ kernels 0.48; gaps between the 342 graphed launches 0.18. Without the graph a st
 cost 4.2-8.2 µs each (0.47 ms a step, at 3.42 ms a step), inside the GEMM's launch 0.4-3 µs. What
 remains, in order: the fp4 GEMMs at ~1.9 TB/s instead of ~4 (memory latency and a busy ALU pipe, see
 fp4_gemm.py), and faster fp4 GEMMs for 16-64 rows. Batch 64 runs at 5.98 ms a step, 1.06x bf16's
-speed; a profile of a near-final version (q/k/v and o still on the tiled kernel) put 3.34 of its
-5.73 ms of kernel time in the fp4 GEMMs, 0.69 in the LoRA-A products, 0.62 in attention, 0.42 in
-lm_head and the LoRA-B addmm, 0.20 in putting x in the wgmma kernel's K order.
+speed; of its 5.52 ms of kernel time the wgmma GEMMs take 3.09 (3.67 GB at ~1.2 TB/s), attention 0.61,
+cuBLAS 0.56 (lm_head ~0.26, the LoRA-B addmm, down's LoRA-A), small_linear's LoRA-A products 0.44,
+putting x in the wgmma kernel's K order 0.30, this file's other kernels 0.46.
 
 Departures. vLLM (which the official QeRL code uses) pages its KV cache and batches continuously;
 here a batch is static and every row shares the cache's column index (left padding), which keeps the

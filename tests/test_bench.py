@@ -1,7 +1,5 @@
 """bench.py's RL step on the CPU with a tiny Qwen2 shape: the same code path the GPU table uses
 (rollout with forced length, reward stand-in, train.update) runs and trains."""
-from types import SimpleNamespace
-
 import torch
 
 import bench
@@ -11,8 +9,8 @@ import model as M
 def test_rl_step_runs_and_moves_lora_on_both_bases():
     cfg = M.Config({**M.qwen25_config("0.5b").raw, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 96})
-    a = SimpleNamespace(prompts=2, group_size=3, prompt_len=5, new_tokens=6, steps=1, lora_rank=4, micro_batch=4,
-                        decode_batch1=False)
+    a = bench.parse_args("--prompts 2 --group-size 3 --prompt-len 5 --new-tokens 6 --steps 1 --lora-rank 4 "
+                         "--micro-batch 4".split())
     for mode in ("bf16", "nvfp4"):
         r = bench.run_mode(a, mode, torch.device("cpu"), cfg)
         assert r["mode"] == mode and r["rollout_tok_s"] > 0 and r["update_tok_s"] > 0
