@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import fp4_gemm
+import lora
 import model as M
 import nvfp4
 
@@ -137,8 +138,6 @@ def test_compiled_blocks_same_loss_and_lora_gradients(hf_folder, quantize):
     inductor gets it. On the GPU where there is one, as train.py compiles only there (with a CPU model
     on a GPU machine, compiling initializes the GPU inside the checkpointed forward, which torch's
     checkpoint refuses)."""
-    import lora
-
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     _, folder = hf_folder("qwen2", num_hidden_layers=3)
     graphs = []
