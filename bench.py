@@ -71,7 +71,7 @@ def run_mode(a, mode, device, cfg):
     for p in params:  # nonzero B, as after some training, so the adapters do real work
         p.data.normal_(0, 1e-3)
     model.gradient_checkpointing = True
-    model.compile_blocks = None if a.no_compile or device.type != "cuda" else "inductor"  # (as train.py)
+    model.compile_blocks = train.compile_backend(device, a.no_compile)
     optimizer = torch.optim.AdamW(params, lr=1e-5)
     build_s = time.time() - t0
     gen = torch.Generator().manual_seed(0)

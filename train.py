@@ -409,6 +409,12 @@ def lr_lambda(args):
     return f
 
 
+def compile_backend(device, no_compile):
+    """The torch.compile backend for the update's blocks (model.compile_blocks): inductor on a GPU unless
+    --no-compile; none on the CPU, where the default tiny run and the tests stay eager."""
+    return "inductor" if device.type == "cuda" and not no_compile else None
+
+
 def saved_args(run_dir):
     """The settings a run was started with (its args.json), for --resume; options added to train.py
     since then take their defaults."""
@@ -441,7 +447,7 @@ def main(argv=None):
     params = lora.apply_lora(model, rank=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout,
                              targets=tuple(args.lora_targets.split(",")))
     model.gradient_checkpointing = not args.no_checkpointing
-    model.compile_blocks = "inductor" if device.type == "cuda" and not args.no_compile else None
+    model.compile_blocks = compile_backend(device, args.no_compile)
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.999))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args))
     schedule = aqn.AQNSchedule(args.steps, args.aqn_stages, args.sigma_start, args.sigma_end)
