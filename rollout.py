@@ -34,8 +34,8 @@ has finished). The step per layer, with the launches it costs:
                                                          launch for NVFP4 (fp4_gemm.fp4_linear_side)
     q, k, v = rope_write(qkv + a·B^T)                1   LoRA B, rotary embedding, K/V into the cache
     o       = attention(q, cache) (split + combine)  2
-    delta   = o_proj(o) + (o @ A_o^T) @ B_o^T      2 (+1) base GEMM with LoRA A, LoRA B fused with the add
-                                                         (addmm)
+    delta   = o_proj(o) + (o @ A_o^T) @ B_o^T      2 (+1) base GEMM with LoRA A, then LoRA B added in
+                                                         place (Triton)
     h       = add_rmsnorm(x, delta, w2)              1
     gu, a   = fused gate|up GEMM, h @ [A_g; A_u]^T   1 (+1)
     act     = silu_mul(gu + a·B^T)                   1   LoRA B, SiLU, product
@@ -46,6 +46,13 @@ base, and 20 for NVFP4 from 9 rows on a Hopper GPU, where each of fp4_gemm's wgm
 in its K order in a launch of its own (fp4_gemm.k_ordered). The (+1)s: the LoRA A products as launches
 of their own, fp4_gemm.small_linear up to 64 rows (32 for down's long K), whose split K ends with the
 last program summing the partials, and cuBLAS above, whose tiles are then big enough.
+
+On a Hopper GPU every Triton kernel of the step is launched with programmatic dependent launch
+(fp4_gemm.pdl_opts) and waits for the kernel before it on the GPU first thing (fp4_gemm.pdl_wait):
+the graph can then schedule a kernel while the one before it finishes, which hides most of the gap
+between launches; it took 5-7% off the step at every batch size (results/rollout_h200.md, session 8).
+Kernels that also let their successor launch early, or prefetch their weights into L2 before the
+wait, measured slower, so none do.
 
 LoRA stays unmerged (the adapters change every RL step; merging would mean re-quantizing the base):
 its A's and B's are copied at the start of every generate() call, in the model's dtype and with
@@ -77,17 +84,18 @@ fused op below has its torch reference next to its kernel, and the tests run bot
 through Triton's interpreter).
 
 Measured (H200, Qwen2.5-7B shape, NVFP4 + LoRA r32 + AQN, results/rollout_h200.md): batch 1 runs
-at 2.99 ms a step against a 1.16 ms floor, batch 8 at 3.64. Of batch 1's 2.83 ms of kernel time,
-fp4_gemm's GEMMs with the LoRA-A products riding in them take 1.96 (3.67 GB at 1.87 TB/s, the
-tensor-core `mma` kernel), cuBLAS 0.39 (lm_head ~0.25 and the 56 LoRA-B addmm), this file's other
-kernels 0.48; gaps between the 342 graphed launches 0.18. Without the graph a step costs ~70 ms
+at 2.75 ms a step against a 1.16 ms floor, batch 8 at 3.40, batch 64 at 5.57. In session 5's profile
+(3.00 ms a step then, before the LoRA-B kernel and PDL) batch 1's 2.83 ms of kernel time were
+fp4_gemm's GEMMs with the LoRA-A products riding in them 1.96 (3.67 GB at 1.87 TB/s, the
+tensor-core `mma` kernel), cuBLAS 0.39 (lm_head ~0.25 and the 56 LoRA-B products), this file's other
+kernels 0.48, and gaps between the 342 graphed launches 0.18. Without the graph a step costs ~70 ms
 (Python and launch overhead; session 1's measurement). The LoRA-A products as launches of their own
 cost 4.2-8.2 µs each (0.47 ms a step, at 3.42 ms a step), inside the GEMM's launch 0.4-3 µs. What
 remains, in order: the fp4 GEMMs at ~1.9 TB/s instead of ~4 (memory latency and a busy ALU pipe, see
-fp4_gemm.py), and faster fp4 GEMMs for 16-64 rows. Batch 64 runs at 5.98 ms a step, 1.06x bf16's
-speed; of its 5.52 ms of kernel time the wgmma GEMMs take 3.09 (3.67 GB at ~1.2 TB/s), attention 0.61,
-cuBLAS 0.56 (lm_head ~0.26, the LoRA-B addmm, down's LoRA-A), small_linear's LoRA-A products 0.44,
-putting x in the wgmma kernel's K order 0.30, this file's other kernels 0.46.
+fp4_gemm.py), and faster fp4 GEMMs for 16-64 rows. Batch 64 is 1.08x bf16's speed; in session 7's
+profile (5.99 ms a step) its 5.52 ms of kernel time were the wgmma GEMMs 3.09 (3.67 GB at ~1.2 TB/s),
+attention 0.61, cuBLAS 0.56 (lm_head ~0.26, the LoRA-B products, down's LoRA-A), small_linear's LoRA-A
+products 0.44, putting x in the wgmma kernel's K order 0.30, this file's other kernels 0.46.
 
 Departures. vLLM (which the official QeRL code uses) pages its KV cache and batches continuously;
 here a batch is static and every row shares the cache's column index (left padding), which keeps the
@@ -240,11 +248,12 @@ def _jit(fn):
 
 @_jit
 def _add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, xout_ptr, out_ptr, H, eps,
-                        HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+                        HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One row: x += delta (rounded to the model dtype, as the model's residual add), then RMSNorm."""
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     m = offs < H
+    fp4_gemm.pdl_wait(PDL)
     x = tl.load(x_ptr + row * H + offs, mask=m, other=0.0)
     if HAS_DELTA:
         dx = tl.load(d_ptr + row * H + offs, mask=m, other=0.0)
@@ -259,11 +268,12 @@ def _add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, xout_ptr, out_ptr, H, eps,
 @_jit
 def _rope_write_kernel(qkv_ptr, a_ptr, b_ptr, cos_ptr, sin_ptr, pad_ptr, counters_ptr, q_ptr, kc_ptr, vc_ptr,
                        M, S, Hq, Hkv, A_STRIDE, D: tl.constexpr, R: tl.constexpr, BM: tl.constexpr,
-                       HAS_LORA: tl.constexpr, PREC: tl.constexpr):
+                       HAS_LORA: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
     """Program (row block, head j of q|k|v): add the head's LoRA B product, rotate q and k by their
     positions, store q to q_ptr (M, Hq, D) and k / v into this layer's cache at the current column."""
     pm = tl.program_id(0)
     j = tl.program_id(1)
+    fp4_gemm.pdl_wait(PDL)
     HALF: tl.constexpr = D // 2
     rows = pm * BM + tl.arange(0, BM)
     rm = rows < M
@@ -306,7 +316,7 @@ def _rope_write_kernel(qkv_ptr, a_ptr, b_ptr, cos_ptr, sin_ptr, pad_ptr, counter
 @_jit
 def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, pad_ptr, done_ptr, counters_ptr, m_ptr, l_ptr, acc_ptr,
                          sm_scale, S, Hkv, NSPLIT, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                         CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+                         CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
     """Program (row b, kv head h, chunk c): online softmax of the G query heads of h over the cache
     columns [max(c·CHUNK, pad_b), min((c+1)·CHUNK, col + 1)); writes its partial max, sum and
     weighted values. Columns past the current one are never read; a finished row reads nothing."""
@@ -314,6 +324,7 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, pad_ptr, done_ptr, counters_ptr,
     split = tl.program_id(1)
     b = bh // Hkv
     h = bh % Hkv
+    fp4_gemm.pdl_wait(PDL)
     length = tl.load(counters_ptr) + 1
     lo = tl.maximum(split * CHUNK, tl.load(pad_ptr + b))
     hi = tl.minimum(split * CHUNK + CHUNK, length)
@@ -347,9 +358,11 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, pad_ptr, done_ptr, counters_ptr,
 
 
 @_jit
-def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, NSPLIT, NS_PAD: tl.constexpr, D: tl.constexpr):
+def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, NSPLIT, NS_PAD: tl.constexpr, D: tl.constexpr,
+                         PDL: tl.constexpr):
     """Program (row, q head): merge the chunks' partial softmaxes into the attention output."""
     row = tl.program_id(0)
+    fp4_gemm.pdl_wait(PDL)
     s = tl.arange(0, NS_PAD)
     sm = s < NSPLIT
     d = tl.arange(0, D)
@@ -364,8 +377,9 @@ def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, NSPLIT, NS_PAD: tl.cons
 
 @_jit
 def _silu_mul_kernel(gu_ptr, a_ptr, b_ptr, out_ptr, M, I, A_STRIDE, R: tl.constexpr, BM: tl.constexpr,
-                     BN: tl.constexpr, HAS_LORA: tl.constexpr, PREC: tl.constexpr):
+                     BN: tl.constexpr, HAS_LORA: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
     """Tile (rows, cols) of silu(gate) * up, with gate|up = the fused GEMM's output + LoRA B products."""
+    fp4_gemm.pdl_wait(PDL)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     rm = rows < M
@@ -389,6 +403,25 @@ def _silu_mul_kernel(gu_ptr, a_ptr, b_ptr, out_ptr, M, I, A_STRIDE, R: tl.conste
 
 
 @_jit
+def _lora_b_kernel(y_ptr, a_ptr, b_ptr, M, N, A_STRIDE, R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                   PREC: tl.constexpr, PDL: tl.constexpr):
+    """Tile (rows, cols) of y += a @ B^T in place, in fp32 and rounded once to y's dtype (as addmm): the
+    LoRA B product of a single-linear group (o, down)."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    rm = rows < M
+    cm = cols < N
+    mk = rm[:, None] & cm[None, :]
+    r = tl.arange(0, R)
+    fp4_gemm.pdl_wait(PDL)
+    a = tl.load(a_ptr + rows[:, None] * A_STRIDE + r[None, :], mask=rm[:, None], other=0.0)  # (BM, R)
+    b = tl.load(b_ptr + cols[None, :] * R + r[:, None], mask=cm[None, :], other=0.0)  # (R, BN)
+    y = tl.load(y_ptr + rows[:, None] * N + cols[None, :], mask=mk, other=0.0).to(tl.float32)
+    y += tl.dot(a, b, input_precision=PREC)
+    tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mk)
+
+
+@_jit
 def _mix32_tl(x):
     x = x ^ (x >> 16)
     x = x * 0x7FEB352D
@@ -400,11 +433,12 @@ def _mix32_tl(x):
 @_jit
 def _sample_partial_kernel(logits_ptr, V, inv_t, thr_ptr, rowkey_ptr, counters_ptr, pm_ptr, ps_ptr, pbest_ptr,
                            pidx_ptr, NSPLIT, CHUNK: tl.constexpr, BLOCK: tl.constexpr, GREEDY: tl.constexpr,
-                           TRUNC: tl.constexpr):
+                           TRUNC: tl.constexpr, PDL: tl.constexpr):
     """Program (row b, vocab chunk): running max and sum of exp(z) over the chunk (for logsumexp) and
     the chunk's best candidate, argmax of z + Gumbel noise (of z when greedy) over the kept tokens."""
     b = tl.program_id(0)
     sp = tl.program_id(1)
+    fp4_gemm.pdl_wait(PDL)
     step = tl.load(counters_ptr + 1)
     ka = _mix32_tl(((tl.load(rowkey_ptr + b) + step) & 0xFFFFFFFF).to(tl.uint32))
     kb = _mix32_tl(ka ^ 0x68E31DA4)
@@ -445,10 +479,11 @@ def _sample_partial_kernel(logits_ptr, V, inv_t, thr_ptr, rowkey_ptr, counters_p
 @_jit
 def _sample_final_kernel(logits_ptr, V, inv_t, pm_ptr, ps_ptr, pbest_ptr, pidx_ptr, NSPLIT, counters_ptr,
                          done_ptr, stopped_ptr, lengths_ptr, stops_ptr, pad_id, tok_ptr, out_tok_ptr, out_lp_ptr,
-                         OUT_STRIDE, NS_PAD: tl.constexpr, NSTOP: tl.constexpr):
+                         OUT_STRIDE, NS_PAD: tl.constexpr, NSTOP: tl.constexpr, PDL: tl.constexpr):
     """Program (row b): merge the chunks (token = best candidate, logprob = z[token] − logsumexp),
     then the row's bookkeeping: output slot `step`, next input token, stop / done flags, length."""
     b = tl.program_id(0)
+    fp4_gemm.pdl_wait(PDL)
     s = tl.arange(0, NS_PAD)
     sm = s < NSPLIT
     m = tl.load(pm_ptr + b * NSPLIT + s, mask=sm, other=float("-inf"))
@@ -651,6 +686,7 @@ class Decoder:
         self.graphs = self.device.type == "cuda" if graphs == "auto" else bool(graphs)
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 4
         self.prec = "ieee" if self.dtype == torch.float32 else "tf32"
+        self.pdl = fp4_gemm.pdl_opts(self.device) if self.triton else {}  # (programmatic dependent launch)
         self.layers = [_Layer(b, self.dtype) for b in model.layers]
         self.fingerprint = _fingerprint(model)
         self.states = OrderedDict()
@@ -667,7 +703,8 @@ class Decoder:
             xo = torch.empty_like(x) if delta is not None else x
             out = torch.empty_like(x)
             _add_rmsnorm_kernel[(M,)](x, delta if delta is not None else x, w, xo, out, H, eps,
-                                      HAS_DELTA=delta is not None, BLOCK=_pow2(H), num_warps=8 if H > 2048 else 4)
+                                      HAS_DELTA=delta is not None, BLOCK=_pow2(H), num_warps=8 if H > 2048 else 4,
+                                      **self.pdl)
             return xo, out
         if delta is not None:
             x = x + delta
@@ -695,7 +732,7 @@ class Decoder:
             _rope_write_kernel[(triton.cdiv(M, 16), Hq + 2 * Hkv)](
                 qkv, a if R else qkv, grp.B if R else qkv, st.cos, st.sin, st.pad, st.counters, q, st.k[layer],
                 st.v[layer], M, st.S, Hq, Hkv, a.shape[1] if R else 0, D=D, R=max(R, 16), BM=16, HAS_LORA=R > 0,
-                PREC=self.prec, num_warps=4)
+                PREC=self.prec, num_warps=4, **self.pdl)
             return q
         if grp.R:
             delta = torch.cat([a[:, s * grp.R:(s + 1) * grp.R] @ b.t()
@@ -720,10 +757,10 @@ class Decoder:
             _attn_partial_kernel[(M * Hkv, st.attn_split)](
                 q, st.k[layer], st.v[layer], st.pad, st.done, st.counters, st.attn_m, st.attn_l, st.attn_acc,
                 1.0 / math.sqrt(D), st.S, Hkv, st.attn_split, G=G, G_PAD=max(16, _pow2(G)), D=D,
-                CHUNK=st.attn_chunk, BLOCK_N=64, PREC=self.prec, num_warps=4)
+                CHUNK=st.attn_chunk, BLOCK_N=64, PREC=self.prec, num_warps=4, **self.pdl)
             out = torch.empty(M, Hq * D, dtype=q.dtype, device=q.device)
             _attn_combine_kernel[(M * Hq,)](st.attn_m, st.attn_l, st.attn_acc, out, st.attn_split,
-                                            NS_PAD=_pow2(st.attn_split), D=D, num_warps=4)
+                                            NS_PAD=_pow2(st.attn_split), D=D, num_warps=4, **self.pdl)
             return out
         valid = terms[2]  # (M, S)
         S = valid.shape[1]
@@ -739,7 +776,7 @@ class Decoder:
             R = grp.R
             _silu_mul_kernel[(triton.cdiv(M, 16), triton.cdiv(I, 128))](
                 gu, a if R else gu, grp.B if R else gu, out, M, I, a.shape[1] if R else 0, R=max(R, 16), BM=16,
-                BN=128, HAS_LORA=R > 0, PREC=self.prec, num_warps=4)
+                BN=128, HAS_LORA=R > 0, PREC=self.prec, num_warps=4, **self.pdl)
             return out
         g, u = gu.split(I, -1)
         if grp.R:
@@ -759,9 +796,16 @@ class Decoder:
         return grp.gemm(x), fp4_gemm.side_linear(x, grp.A) if self.triton else F.linear(x, grp.A)
 
     def project(self, grp, x):
-        """A single-linear group (o, down): base GEMM + LoRA, the B product fused with the add."""
+        """A single-linear group (o, down): base GEMM + LoRA, the B product added in place."""
         y, a = self.gemm(grp, x)
-        return torch.addmm(y, a, grp.B.t()) if grp.R else y
+        if not grp.R:
+            return y
+        if self.triton:
+            M, N = y.shape
+            _lora_b_kernel[(triton.cdiv(M, 16), triton.cdiv(N, 128))](y, a, grp.B, M, N, a.shape[1], R=grp.R, BM=16,
+                                                                      BN=128, PREC=self.prec, num_warps=4, **self.pdl)
+            return y
+        return torch.addmm(y, a, grp.B.t())
 
     def sample(self, logits, st, sp):
         """logits (N, V) → the step's token and logprob into st.out_*, next input st.tok, stop flags."""
@@ -774,11 +818,12 @@ class Decoder:
             logits = logits.contiguous()
             _sample_partial_kernel[(N, st.v_split)](
                 logits, V, inv_t, thr if trunc else st.sm_m, st.rowkey, st.counters, st.sm_m, st.sm_s, st.sm_best,
-                st.sm_idx, st.v_split, CHUNK=st.v_chunk, BLOCK=st.v_block, GREEDY=greedy, TRUNC=trunc, num_warps=4)
+                st.sm_idx, st.v_split, CHUNK=st.v_chunk, BLOCK=st.v_block, GREEDY=greedy, TRUNC=trunc, num_warps=4,
+                **self.pdl)
             _sample_final_kernel[(N,)](
                 logits, V, inv_t, st.sm_m, st.sm_s, st.sm_best, st.sm_idx, st.v_split, st.counters, st.done,
                 st.stopped, st.lengths, st.stops, sp.pad_id, st.tok, st.out_tok, st.out_lp, st.S,
-                NS_PAD=_pow2(st.v_split), NSTOP=st.stops.numel(), num_warps=1)
+                NS_PAD=_pow2(st.v_split), NSTOP=st.stops.numel(), num_warps=1, **self.pdl)
             return
         tok, lp = sample_reference(logits, st.rowkey, st.counters[1], sp.temperature, sp.top_p, sp.top_k)
         done = st.done.bool()
@@ -1097,7 +1142,7 @@ def _profile(model, batch, prompt_len, steps=4):
         k = e.key
         name = ("fp4 gemm" if k.startswith(("_mma_kernel", "_gemv_kernel", "_tiled_kernel", "_splitk_reduce", "_dequant_kernel")) else
                 "attention" if "_attn_" in k else "rope+write" if "rope" in k else "silu_mul" if "silu" in k else
-                "add_rmsnorm" if "rmsnorm" in k else "sampler" if "sample" in k else
+                "add_rmsnorm" if "rmsnorm" in k else "sampler" if "sample" in k else "LoRA B" if "lora_b" in k else
                 "cuBLAS (lm_head, LoRA, bf16 base)" if "gemm" in k.lower() or "gemv" in k.lower() or "cutlass" in k
                 or "sm90" in k or "xmma" in k else "cuBLAS split-K reduces" if "splitKreduce" in k
                 else "other: " + k[:40])

@@ -654,6 +654,19 @@ def test_wgmma_decode_and_k_order_emulated(f16):
 
 
 @needs_triton
+def test_pdl_launch_options_only_where_they_run(monkeypatch):
+    """Programmatic dependent launch needs a Hopper or newer GPU: never on CPU tensors (the interpreter),
+    never with QERL_PDL=0 (the choice it sets), and with it the kernels' PDL flag goes with the launch
+    option."""
+    assert fp4_gemm.pdl_opts(torch.device("cpu")) == {"PDL": False}
+    monkeypatch.setitem(fp4_gemm._choice, "pdl", False)
+    assert fp4_gemm.pdl_opts(torch.device("cuda")) == {"PDL": False}
+    if torch.cuda.is_available():
+        monkeypatch.setitem(fp4_gemm._choice, "pdl", True)
+        on = torch.cuda.get_device_capability() >= (9, 0) and fp4_gemm.HAS_PDL
+        assert fp4_gemm.pdl_opts(torch.device("cuda")) == ({"PDL": True, "launch_pdl": True} if on else {"PDL": False})
+
+
 @pytest.mark.parametrize("M,K,bk,dtype,strided", [(3, 256, 128, torch.bfloat16, False),
                                                   (5, 768, 256, torch.float16, True),
                                                   (1, 2176, 128, torch.float32, True)])
