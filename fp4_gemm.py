@@ -1166,8 +1166,13 @@ def _wgmma_runs(K, dtype, device):
 
 
 @functools.lru_cache(maxsize=None)
-def _is_hopper(device):  # (asked on every call of a layer: cached)
-    return torch.cuda.is_available() and torch.cuda.get_device_capability(device) == (9, 0)
+def _capability(device):  # (asked on every call of a layer: cached)
+    cuda = device.type == "cuda" and torch.cuda.is_available()
+    return torch.cuda.get_device_capability(device) if cuda else (0, 0)
+
+
+def _is_hopper(device):
+    return _capability(device) == (9, 0)
 
 
 def plan_dx(M, N, K, dtype, device):
@@ -1192,17 +1197,12 @@ def _launch_opts(plan):
     return {k: plan[k] for k in ("num_warps", "num_stages") if k in plan}
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(device):
-    return torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
-
-
 def pdl_opts(device):
     """Launch options for a kernel that calls pdl_wait: programmatic dependent launch on a Hopper or newer
     GPU, unless QERL_PDL=0; elsewhere (older GPUs, the interpreter) a plain launch, and pdl_wait does
     nothing. Inside the decode step's CUDA graph this hides most of the gap between kernels: the batch-1
     to 64 steps of a 7B model took 5-7% less time (results/rollout_h200.md, session 8)."""
-    if _choice["pdl"] and HAS_PDL and device.type == "cuda" and _capability(device) >= (9, 0):
+    if _choice["pdl"] and HAS_PDL and _capability(device) >= (9, 0):
         return dict(PDL=True, launch_pdl=True)
     return dict(PDL=False)
 
