@@ -241,6 +241,18 @@ def test_gpu_graphs_and_kernels_match_eager_torch(hf_folder):
         assert (fast.logprobs[i, : len(comp)].double() - lp).abs().max() <= 1e-3
 
 
+def gpu_nvfp4_lora_model(hf_folder, seed):
+    """A small bf16 NVFP4 model on the GPU with rank-8 LoRA on every projection, B nonzero."""
+    _, folder = hf_folder("qwen2", seed=seed, **{**CFG, "hidden_size": 256, "num_attention_heads": 4,
+                                                  "num_key_value_heads": 2, "intermediate_size": 512})
+    model = M.Transformer.from_pretrained(folder, dtype=torch.bfloat16, device="cuda", quantize=True)
+    lora.apply_lora(model, rank=8, alpha=16)
+    with torch.no_grad():
+        for m in lora.lora_modules(model).values():
+            m.lora_B.weight.normal_(0, 0.2)
+    return model
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("n,kernel", [(1, None), (2, None), (4, "wgmma")])
 def test_gpu_nvfp4_lora_decode_in_bf16(hf_folder, n, kernel):
@@ -250,13 +262,7 @@ def test_gpu_nvfp4_lora_decode_in_bf16(hf_folder, n, kernel):
     the rollout through the Hopper wgmma kernel (which the per-shape plan keeps for wide layers)."""
     if kernel == "wgmma" and not (fp4_gemm.HAS_GLUON and torch.cuda.get_device_capability() == (9, 0)):
         pytest.skip("the wgmma kernel needs triton with Gluon and a Hopper GPU")
-    hf, folder = hf_folder("qwen2", seed=11, **{**CFG, "hidden_size": 256, "num_attention_heads": 4,
-                                                 "num_key_value_heads": 2, "intermediate_size": 512})
-    model = M.Transformer.from_pretrained(folder, dtype=torch.bfloat16, device="cuda", quantize=True)
-    lora.apply_lora(model, rank=8, alpha=16)
-    with torch.no_grad():
-        for m in lora.lora_modules(model).values():
-            m.lora_B.weight.normal_(0, 0.2)
+    model = gpu_nvfp4_lora_model(hf_folder, seed=11)
     prompts = prompts_of([13, 4, 30, 7][: 8 // n], 97, seed=12)
     with fp4_gemm.backend("auto", kernel=kernel):
         r = rollout.generate(model, prompts, n=n, max_new_tokens=24, temperature=1.0, seed=3, kernels="triton",
@@ -282,13 +288,7 @@ def test_gpu_programmatic_launch_gives_the_same_rollout(hf_folder, monkeypatch, 
     the one ahead of it has finished, and waits for it in pdl_wait) the graphed NVFP4 + LoRA decode gives
     the same tokens and logprobs, bit for bit, as plain launches: a kernel touching memory before the
     wait would race. 1 row runs the mma kernel, 16 rows the wgmma kernel on Hopper."""
-    hf, folder = hf_folder("qwen2", seed=13, **{**CFG, "hidden_size": 256, "num_attention_heads": 4,
-                                                 "num_key_value_heads": 2, "intermediate_size": 512})
-    model = M.Transformer.from_pretrained(folder, dtype=torch.bfloat16, device="cuda", quantize=True)
-    lora.apply_lora(model, rank=8, alpha=16)
-    with torch.no_grad():
-        for m in lora.lora_modules(model).values():
-            m.lora_B.weight.normal_(0, 0.2)
+    model = gpu_nvfp4_lora_model(hf_folder, seed=13)
     assert fp4_gemm.pdl_opts(model.device)["PDL"]
     kw = dict(n=n, max_new_tokens=32, temperature=1.0, seed=4, kernels="triton", graphs=True)
     ps = prompts_of([21, 9][:prompts], 97, seed=14)
