@@ -24,9 +24,10 @@ Decoding in registers, without tables. Both formats are tiny floats, so bit move
   11..9) reads as e2m1 * 2^-14; into bf16's (bits 8..6) as e2m1 * 2^-126. The code with e = 0
   (value 0.5) becomes a subnormal, which is exactly right. The missing power of two is folded into
   the block scale.
-On the GPU this is PTX on 32-bit registers (two values per instruction): for the mma kernel, each
-pair of codes is shifted to the top of the two 16-bit halves, masked and shifted under the exponent
-(3 integer instructions), then one `mul.bf16x2` by the block scale; for the GEMV, 13 integer
+On the GPU this is PTX on 32-bit registers (two values per instruction): for the mma and wgmma
+kernels, a mask keeps one code per 16-bit half, one integer multiply copies it to two places at once
+(e e m under bf16's exponent, the sign to bit 15) and a second mask keeps those bits (2 ALU
+instructions and one multiply on the FMA pipe), then one `mul.bf16x2` by the block scale; for the GEMV, 13 integer
 instructions turn a word of 8 codes into 4 float16 pairs ((h | h >> 3) & 0x8E008E00 with the high
 nibbles isolated in h); for the tiles, `prmt` + masks + one `mul.bf16x2`. At decode speed an SM has
 only a few issue slots per weight (the integer ones at half rate), so the decode must stay short.
@@ -46,8 +47,8 @@ Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
   load out one lane per index, which is what makes this expressible; the interpreter runs a
   plain-Triton model of the PTX block (the exchange between lanes written as reshapes), and a GPU
   test checks the two agree. Split-K programs leave fp32 partials and the last one to finish a
-  tile (an atomic ticket) sums them in order: deterministic, and no second launch. 1.6-2.4x cuBLAS
-  bf16 at M = 1 (gate/up 2.25 TB/s), 1.4-2.0x at M = 8, where the wide layers give each warp two row
+  tile (an atomic ticket) sums them in order: deterministic, and no second launch. 1.7-2.5x cuBLAS
+  bf16 at M = 1 (gate/up 2.39 TB/s), 1.4-2.0x at M = 8, where the wide layers give each warp two row
   tiles (the x a lane loads serves both). What bounds it (Nsight Compute, and the experiments in
   results/fp4_gemm_h200.md): at M = 1 a mix of memory latency with few warps in flight and a busy ALU
   pipe (~70%; a repacked layout with a quarter fewer ALU instructions did not change the time, nor did
@@ -59,13 +60,14 @@ Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
   wgmma kernel below shares it).
 - gemv (M = 1 with fp32 x): a program owns 8 weight rows and walks K in steps of 512 with 16-byte
   loads of packed codes, multiply-adding in fp32; optional split-K with a reduce kernel.
-- wgmma (9 <= M <= 128 on Hopper; Gluon, 16-bit x): the mma kernel's idea on Hopper's warpgroup
-  MMA. A warpgroup owns 64 weight rows and up to 64 rows of x; x sits in shared memory once per
-  program (put in the K order that each lane decodes by a small Triton kernel first, `k_ordered`), the
-  decoded weights are wgmma's left operand straight from registers (no shared-memory round trip), the
-  next k-step's x copies (cp.async) and codes load while this one decodes. At M = 16 1.96x / 1.83x
-  cuBLAS for gate/up / down and 1.20x / 1.42x for q/k/v / o; at M = 64 1.47x / 1.21x and 0.82x /
-  0.79x. At 16 rows Nsight Compute puts the block-wide barriers of each k-step first among the
+- wgmma (9 <= M <= 128 on Hopper, and gate/up-like wide layers up to 256; Gluon, 16-bit x): the mma
+  kernel's idea on Hopper's warpgroup MMA. A warpgroup owns 64 weight rows and 16 to 128 rows of x; x
+  sits in shared memory once per program (put in the K order that each lane decodes by a small Triton
+  kernel first, `k_ordered`), the decoded weights are wgmma's left operand straight from registers (no
+  shared-memory round trip), the next k-step's x copies (cp.async) and codes load while this one
+  decodes, and inside a step the MMA of each 64-k slice runs while the next slice decodes. At M = 16
+  2.46x / 2.12x cuBLAS for gate/up / down and 1.31x / 1.49x for q/k/v / o; at M = 64 1.57x / 1.13x
+  and 0.90x / 0.81x; gate/up at M = 256 0.68x (dequant + cuBLAS: 0.51x). At 16 rows Nsight Compute puts the block-wide barriers of each k-step first among the
   stalls, yet a third x buffer that removes one of them gained 0-4% there and lost up to 14% at
   64-128 rows; prefetching two k-steps ahead, two row tiles a warpgroup (x read half as often) and two
   warpgroups a program all measured slower too (results/fp4_gemm_h200.md).
@@ -76,9 +78,9 @@ Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
   read from HBM once, split-K (up to 8) where the tiles are few. On the H200 0.9-1.2x cuBLAS for q/k/v
   and o at M = 16, 0.7x at M = 64: the decode and the layout shuffle Triton adds before the MMA cost
   more issue slots than the bytes saved.
-- dequant + cuBLAS (M > 128, fp32 inputs): a Triton kernel writes this one layer's weight in x's
+- dequant + cuBLAS (M > 128 but gate/up-like layers to 256, fp32 inputs): a Triton kernel writes this one layer's weight in x's
   dtype, bit-identical to nvfp4.dequantize (same float32 arithmetic), and cuBLAS multiplies; the copy
-  dies right after. 0.73-0.81x cuBLAS at M = 1024, 0.75-0.93x at M = 4096 (the spread of three
+  dies right after. 0.73-0.81x cuBLAS at M = 1024, 0.75-0.95x at M = 4096 (the spread of four
   runs): the cost is writing and re-reading the bf16 weight (~100 us for gate/up).
 - A side product riding along (rollout's LoRA A's, `fp4_linear_side`): extra programs of the mma
   launch compute x @ A^T for a small bf16 A, split over K with the same ticketed sum, so decode pays
@@ -145,7 +147,8 @@ try:  # Gluon: Triton with explicit layouts, for the Hopper wgmma kernel. Its AP
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
 
     HAS_GLUON = tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 6)
 except ImportError:  # the other kernels serve every shape
@@ -657,24 +660,54 @@ if HAS_TRITON:
     # (all but one at decode) are zeros: the MMA is 8x wider than needed, but tensor-core time is not
     # what bounds this kernel; decoding is.
     #
+    # The word decode both tensor-core kernels share: a 32-bit word q holds codes k0..k7 (4 bits each,
+    # k0 lowest) and becomes 4 registers of 2 values, (k3, k7), (k2, k6), (k1, k5), (k0, k4) (low half,
+    # high half), each value exactly e2m1 * 2^-126 (bf16) or * 2^-14 (f16) before the multiply by the
+    # scale pair. bf16: isolate one code per 16-bit half (and), then one integer multiply copies it to
+    # two places at once: by 2^6 + 2^12 for a code at bits 0-3 (e e m lands on bits 8..6, under bf16's
+    # exponent, the sign on bit 15; the two copies never overlap, so nothing carries), by 2^2 + 2^8 for
+    # a code at bits 4-7; a final and keeps those 4 bits. k2, k3, k6, k7 first move down a byte (shr).
+    # That is 9 ALU instructions a word (and + and a shift per code pair, plus one) and 4 multiplies on
+    # the FMA pipe; the f16 decode moves each pair's nibbles to bits 15..12 and 31..28 (shl), keeps the
+    # sign and drops e e m three bits lower (and, shr, or + and): f16's 5-bit exponent puts the two
+    # copies one bit apart, where the multiply would carry.
+    def _word_decode_ptx(word, outs, scale, f16):
+        """PTX decoding register `word` into registers outs = (k3,k7), (k2,k6), (k1,k5), (k0,k4), times
+        the pair in `scale` (with scratch registers n, q8 declared by the caller)."""
+        if f16:
+            lines = []
+            for out, sl in zip(outs, (0, 4, 8, 12)):
+                src = word
+                if sl:
+                    lines.append(f"shl.b32 n, {word}, {sl};")
+                    src = "n"
+                lines.append(f"and.b32 q8, {src}, 0xF000F000; shr.b32 n, q8, 3; or.b32 n, n, q8; "
+                             f"and.b32 n, n, 0x8E008E00; mul.rn.f16x2 {out}, n, {scale};")
+            return " ".join(lines)
+        lines = [f"shr.b32 q8, {word}, 8;"]
+        for out, src, mask, mult in zip(outs, ("q8", "q8", word, word), ("0x00F000F0", "0x000F000F") * 2,
+                                        (260, 4160) * 2):
+            lines.append(f"and.b32 n, {src}, {mask}; mul.lo.u32 n, n, {mult}; and.b32 n, n, 0x81C081C0; "
+                         f"mul.rn.bf16x2 {out}, n, {scale};")
+        return " ".join(lines)
+
     # One PTX block per half k-step (4 words of each of the two rows):
     #   scales: two E4M3 bytes per row (the blocks of words 0-1 and 2-3) → a pair each, times a power
     #           of two by bit moves and a mul (value * 2^118 in bf16, * 2^6 in f16);
     #   codes:  word q (8 codes, k = 8w + 0..7) → 4 registers of 2 values, (k3, k7), (k2, k6), (k1, k5),
-    #           (k0, k4): shift the pair's nibbles up to bits 15..12 and 31..28, keep each sign and put
-    #           e e m under the exponent (as _e2m1_asm), multiply by the scale pair: exact e2m1 * s * 2^-8;
+    #           (k0, k4) (_word_decode_ptx), times the scale pair: exact e2m1 * s * 2^-8;
     #   x:      the lane's 8 x values of the word paired the same way (prmt);
     #   MMA:    two per word, (k3,k7 | k2,k6) and (k1,k5 | k0,k4), chained into one fp32 accumulator.
     # Operands: $0-$3 accumulator out; $4-$7 the 4 words of row g, $8-$11 of row g + 8; $12 / $13 the
     # rows' 4 scale bytes (this half uses bytes 0, 1 or 2, 3); $14-$29 x pairs (x0,x1), (x2,x3), (x4,x5),
     # (x6,x7) of the 4 words; $30-$33 accumulator in.
     def _mma_asm(f16, half):
-        if f16:  # e2m1 * 2^-14 from bits 11..9; scale: s * 2^-8 as f16 bits, times 2^14
-            ty, mag, shift, sshift, smask, mul, cst = "f16", "0x8E008E00", 3, 7, "0x3F803F80", "mul.rn.f16x2", "0x74007400"
-        else:  # e2m1 * 2^-126 from bits 8..6; scale: s * 2^-120 as bf16 bits, times 2^119 twice
-            ty, mag, shift, sshift, smask, mul, cst = "bf16", "0x81C081C0", 6, 4, "0x07F007F0", "mul.rn.bf16x2", "0x7B007B00"
+        if f16:  # scale: s * 2^-8 as f16 bits, times 2^14
+            ty, sshift, smask, mul, cst = "f16", 7, "0x3F803F80", "mul.rn.f16x2", "0x74007400"
+        else:  # scale: s * 2^-120 as bf16 bits, times 2^119 twice
+            ty, sshift, smask, mul, cst = "bf16", 4, "0x07F007F0", "mul.rn.bf16x2", "0x7B007B00"
         regs = [f"s{r}{b}" for r in "tb" for b in "01"] + [f"w{r}{w}{p}" for r in "tb" for w in range(4) for p in range(4)]
-        regs += [f"x{w}{p}" for w in range(4) for p in range(4)] + ["c", "u", "v", "h"]
+        regs += [f"x{w}{p}" for w in range(4) for p in range(4)] + ["c", "u", "v", "n", "q8"]
         lines = [".reg .b32 " + ", ".join(regs) + ";", f"mov.b32 c, {cst};"]
         for r, src in (("t", "$12"), ("b", "$13")):  # bytes (2 half, 2 half + 1) → u = b_lo | b_hi << 16
             lines += [f"prmt.b32 u, {src}, 0, {'0x4342' if half else '0x4140'};", f"shl.b32 v, u, {sshift};",
@@ -682,14 +715,8 @@ if HAS_TRITON:
                       f"{mul} u, u, c;"] + ([] if f16 else [f"{mul} u, u, c;"])
             lines += [f"prmt.b32 s{r}0, u, 0, 0x1010;", f"prmt.b32 s{r}1, u, 0, 0x3232;"]
         for r, base in (("t", 4), ("b", 8)):
-            for w in range(4):
-                for p, sl in enumerate((0, 4, 8, 12)):  # p: (k3,k7), (k2,k6), (k1,k5), (k0,k4)
-                    src = f"${base + w}"
-                    if sl:
-                        lines.append(f"shl.b32 u, {src}, {sl};")
-                        src = "u"
-                    lines += [f"and.b32 h, {src}, 0xF000F000;", f"shr.b32 v, h, {shift};", "or.b32 v, v, h;",
-                              f"and.b32 v, v, {mag};", f"{mul} w{r}{w}{p}, v, s{r}{w // 2};"]
+            for w in range(4):  # p: (k3,k7), (k2,k6), (k1,k5), (k0,k4)
+                lines.append(_word_decode_ptx(f"${base + w}", [f"w{r}{w}{p}" for p in range(4)], f"s{r}{w // 2}", f16))
         for w in range(4):
             x01, x23, x45, x67 = (f"${14 + 4 * w + j}" for j in range(4))
             lines += [f"prmt.b32 x{w}0, {x23}, {x67}, 0x7632;", f"prmt.b32 x{w}1, {x23}, {x67}, 0x5410;",
@@ -893,28 +920,23 @@ if HAS_TRITON:
 # conversion is free: assert_trivial). The right operand must follow the same order, so x is permuted
 # along K once per call (k_ordered, a Triton kernel with wgmma_k_order's formula; one launch).
 # Pipelining: x of the next k-step copies into a second shared buffer (cp.async) and the next step's
-# codes and scales load into registers while this one decodes and multiplies. Split-K as the mma
-# kernel's: fp32 partials and a ticket, the last program of a tile sums them in order.
-# What it measured (H200, results/fp4_gemm_h200.md): gate/up at 64 rows of x 56 us against the tiled
-# kernel's 95 and cuBLAS's 83; q/k/v and o (few output tiles) 15 and 13 us against the tiled kernel's
-# 18 and 15 (cuBLAS: 13 and 10); at 256 rows, where the decode repeats for every 64 rows of x, dequant
-# + cuBLAS is as fast.
+# codes and scales load into registers while this one decodes and multiplies. Within a k-step the
+# decode and the MMAs overlap too: the step goes in slices of 64 k, and slice q's wgmma runs (async)
+# while the lane decodes slice q + 1; only one slice's decoded registers wait for the tensor cores, not
+# the whole step's (127 registers instead of 178 at 64 rows of x). Split-K as the mma kernel's: fp32
+# partials and a ticket, the last program of a tile sums them in order.
+# What it measured (H200, results/fp4_gemm_h200.md, session 9): gate/up at 16 / 64 rows of x 33 / 52
+# us against cuBLAS's 82 / 81; q/k/v and o (few output tiles) at 64 rows 14 and 13 us (cuBLAS: 13 and
+# 10); at 256 rows gate/up 149 us against cuBLAS's 100 and dequant + cuBLAS's 203 (the other layers:
+# dequant + cuBLAS is as fast or faster). Two or four warpgroups a program sharing one x tile (half or
+# a quarter of the x traffic) measured slower everywhere.
 if HAS_GLUON:
     def _wgmma_word_asm(f16):
         """8 codes of a 32-bit word ($4; pack = 8 gives the asm 8 copies, $4-$11) → 4 registers $0-$3 of
         two values each, codes (3, 7), (2, 6), (1, 5), (0, 4) of the word, times the scale pair $12 (copies
-        $12-$19): e2m1 * 2^-126 (bf16) or * 2^-14 (f16) from the bit moves of the mma kernel's decode, so
-        the pair holds s * 2^118 or s * 2^6 and the result is exactly e2m1 * s * 2^-8."""
-        shift, mag, mul = (3, "0x8E008E00", "mul.rn.f16x2") if f16 else (6, "0x81C081C0", "mul.rn.bf16x2")
-        steps = []
-        for j, sl in enumerate((0, 4, 8, 12)):
-            src = "$4"
-            if sl:
-                steps.append(f"shl.b32 u, $4, {sl};")
-                src = "u"
-            steps.append(f"and.b32 h, {src}, 0xF000F000; shr.b32 v, h, {shift}; or.b32 v, v, h; "
-                         f"and.b32 v, v, {mag}; {mul} ${j}, v, $12;")
-        return "{ .reg .b32 u, v, h; " + " ".join(steps) + " }"
+        $12-$19): the mma kernel's word decode, so the pair holds s * 2^118 (bf16) or s * 2^6 (f16) and
+        the result is exactly e2m1 * s * 2^-8."""
+        return "{ .reg .b32 n, q8; " + _word_decode_ptx("$4", ["$0", "$1", "$2", "$3"], "$12", f16) + " }"
 
     _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # (triton 3.8's name / 3.6's)
     _WGMMA_ASM: gl.constexpr = gl.constexpr((_wgmma_word_asm(False), _wgmma_word_asm(True)))
@@ -922,7 +944,7 @@ if HAS_GLUON:
 
     @gluon.constexpr_function
     def _lane_local(inner, elems):
-        """(64 rows, 4, inner[, 8]) with lane 4g + t of warp w holding rows 16w + g and 16w + g + 8 at index t
+        """(64, 4, inner[, 8]) with lane 4g + t of warp w holding rows 16w + g and 16w + g + 8 at index t
         of axis 1, axis 2 (and the 8 elements of axis 3) in its registers: how each lane loads its own
         pieces. elems = 8 adds the last axis (one register per element: broadcasting a word to 8 values
         would otherwise keep it as one register, and the asm's 8 outputs would come out as one value)."""
@@ -935,27 +957,39 @@ if HAS_GLUON:
                                           shape=[64, 4, inner] + ([8] if elems == 8 else []))
 
     @gluon.jit
-    def _wgmma_decode(words, sb, a_l: gl.constexpr, BK: gl.constexpr, F16: gl.constexpr):
-        """The k-step's (64, BK) weight tile in wgmma's register-operand layout: words (64, 4, BK/32) of
-        codes, sb (64, 4, BK/64) E4M3 scale bytes (one per 2 words), lane-local."""
-        W: gl.constexpr = BK // 32
-        Q: gl.constexpr = BK // 64
+    def _wgmma_decode(words, sb, a_l: gl.constexpr, F16: gl.constexpr):
+        """A 64-wide k slice of the weight tile in wgmma's register-operand layout (64, 64): words (64, 4, 2)
+        of codes and sb (64, 4, 1) their E4M3 scale bytes, lane-local."""
         sf = sb.to(gl.float8e4nv, bitcast=True).to(gl.float32)
         if F16:
             sw = (sf * 64.0).to(gl.float16).to(gl.uint16, bitcast=True).to(gl.uint32)
         else:
             sw = (sf * 3.3230699894622794e+35).to(gl.bfloat16).to(gl.uint16, bitcast=True).to(gl.uint32)  # * 2^118
-        sw = sw | (sw << 16)  # the pair (s, s)
-        sw = gl.reshape(gl.reshape(sw, (64, 4, Q, 1)).broadcast_to((64, 4, Q, 2)), (64, 4, W))
-        sw = gl.convert_layout(sw, words.type.layout)
-        l8: gl.constexpr = _lane_local(W, 8)
-        w8 = gl.convert_layout(gl.reshape(words, (64, 4, W, 1)).broadcast_to((64, 4, W, 8)), l8)
-        s8 = gl.convert_layout(gl.reshape(sw, (64, 4, W, 1)).broadcast_to((64, 4, W, 8)), l8)
+        sw = sw | (sw << 16)  # the pair (s, s), for both words
+        sw = gl.convert_layout(sw.broadcast_to((64, 4, 2)), words.type.layout)
+        l8: gl.constexpr = _lane_local(2, 8)
+        w8 = gl.convert_layout(gl.reshape(words, (64, 4, 2, 1)).broadcast_to((64, 4, 2, 8)), l8)
+        s8 = gl.convert_layout(gl.reshape(sw, (64, 4, 2, 1)).broadcast_to((64, 4, 2, 8)), l8)
         vals = gl.inline_asm_elementwise(_WGMMA_ASM[F16], _WGMMA_CONSTRAINTS, [w8, s8],
                                          dtype=gl.float16 if F16 else gl.bfloat16, is_pure=True, pack=8)
         # element e = 4 a + 2 b + h of word j → chunk c = 2 j + a, column 8 b + 2 t + h of the chunk
-        vals = gl.permute(gl.reshape(vals, (64, 4, W, 2, 2, 2)), (0, 2, 3, 4, 1, 5))  # (row, j, a, b, t, h)
-        return gl.convert_layout(gl.reshape(vals, (64, BK)), a_l, assert_trivial=True)
+        vals = gl.permute(gl.reshape(vals, (64, 4, 2, 2, 2, 2)), (0, 2, 3, 4, 1, 5))  # (row, j, a, b, t, h)
+        return gl.convert_layout(gl.reshape(vals, (64, 64)), a_l, assert_trivial=True)
+
+    @gluon.jit
+    def _slice_of(t, s: gl.constexpr, Q: gl.constexpr):
+        """Slice s of Q (1, 2 or 4) along the last axis of a lane-local (64, 4, Q * E) tensor, as (64, 4, E):
+        register moves only, as that axis is in each lane's registers."""
+        E: gl.constexpr = t.shape[2] // Q
+        out = t
+        if Q == 2:
+            lo, hi = gl.split(gl.permute(gl.reshape(t, (64, 4, 2, E)), (0, 1, 3, 2)))
+            out = hi if s == 1 else lo
+        elif Q == 4:  # s = 2 s1 + s0: split on s0, then on s1
+            lo, hi = gl.split(gl.reshape(gl.permute(gl.reshape(t, (64, 4, 4, E)), (0, 1, 3, 2)), (64, 4, E, 2, 2)))
+            lo, hi = gl.split(hi if s % 2 == 1 else lo)
+            out = hi if s // 2 == 1 else lo
+        return out
 
     @gluon.jit
     def _wgmma_pdl_wait(PDL: gl.constexpr):
@@ -989,7 +1023,7 @@ if HAS_GLUON:
         pid_m = gl.program_id(1)
         pid_k = gl.program_id(2)
         W: gl.constexpr = BK // 32  # 32-bit words of codes a lane loads per row and k-step
-        Q: gl.constexpr = BK // 64  # scale bytes a lane loads per row and k-step
+        Q: gl.constexpr = BK // 64  # scale bytes a lane loads per row and k-step = slices of 64 k
         mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_l, k_width=2)
         w_l: gl.constexpr = _lane_local(W, 1)
@@ -1004,14 +1038,16 @@ if HAS_GLUON:
         ts = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, s_l)))
         qs = gl.arange(0, Q, layout=gl.SliceLayout(0, gl.SliceLayout(1, s_l)))
         s_ptrs = ws_ptr + (rs % N)[:, None, None] * stride_sn + Q * ts[None, :, None] + qs[None, None, :]
-        # x: (BT, BK) tiles copied into NVMMA-swizzled shared memory, read by wgmma as (BK, BT)
-        x_bl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[1, 32], warps_per_cta=[4, 1],
-                                              order=[1, 0])
-        xm = pid_m * BT + gl.arange(0, BT, layout=gl.SliceLayout(1, x_bl))
-        xk = gl.arange(0, BK, layout=gl.SliceLayout(0, x_bl))
-        x_ptrs = x_ptr + xm[:, None].to(gl.int64) * stride_xm + xk[None, :]
+        # x: a k-step's (BT, BK) tile as Q tiles (BT, 64) stacked along rows in NVMMA-swizzled shared memory
+        # (row q · BT + m holds x[m, 64 q ..]); wgmma reads slice q as (64, BT)
+        x_bl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                              warps_per_cta=[4, 1], order=[1, 0])
+        xr = gl.arange(0, Q * BT, layout=gl.SliceLayout(1, x_bl))
+        xm = pid_m * BT + xr % BT
+        xk = gl.arange(0, 64, layout=gl.SliceLayout(0, x_bl))
+        x_ptrs = x_ptr + xm[:, None].to(gl.int64) * stride_xm + (64 * (xr // BT))[:, None] + xk[None, :]
         x_ok = xm[:, None] < M
-        x_bufs = gl.allocate_shared_memory(gl.float16 if F16 else gl.bfloat16, [2, BT, BK],
+        x_bufs = gl.allocate_shared_memory(gl.float16 if F16 else gl.bfloat16, [2, Q * BT, 64],
                                            gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
         s_lo = pid_k * split_steps
         n = gl.minimum(split_steps, n_steps - s_lo)  # (the host makes every split non-empty)
@@ -1029,17 +1065,25 @@ if HAS_GLUON:
             async_copy.commit_group()
             words_next = gl.load(w_ptrs + nxt * (BK // 8))
             sb_next = gl.load(s_ptrs + nxt * (BK // 16))
-            a = _wgmma_decode(words, sb, a_l, BK, F16)
+            a = _wgmma_decode(_slice_of(words, 0, Q), _slice_of(sb, 0, Q), a_l, F16)
             async_copy.wait_group(1)  # this step's x has landed (the next one may still be in flight)
             _cta_barrier()
             fence_async_shared()
-            acc = warpgroup_mma(a, x_bufs.index(i % 2).permute((1, 0)), acc)
+            x_now = x_bufs.index(i % 2)
+            # slice q's MMA runs while slice q + 1 decodes; one MMA in flight at a time
+            for q in gl.static_range(Q):
+                acc = warpgroup_mma(a, x_now.slice(q * BT, BT).permute((1, 0)), acc, is_async=True)
+                if q + 1 < Q:
+                    a_next = _wgmma_decode(_slice_of(words, q + 1, Q), _slice_of(sb, q + 1, Q), a_l, F16)
+                    acc, a = warpgroup_mma_wait(0, deps=[acc, a])
+                    a = a_next
+            acc, a = warpgroup_mma_wait(0, deps=[acc, a])
             _cta_barrier()  # every warp is done with this buffer before the next step refills it
             words = words_next
             sb = sb_next
         # epilogue in a layout with each thread on 4 consecutive rows (= contiguous outputs of a token)
-        out_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[4, 1], threads_per_warp=[16, 2], warps_per_cta=[1, 4],
-                                               order=[0, 1])
+        out_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[4, 1], threads_per_warp=[16, 2],
+                                               warps_per_cta=[1, 4], order=[0, 1])
         acc = gl.convert_layout(acc, out_l)
         rows = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, out_l))
         toks = pid_m * BT + gl.arange(0, BT, layout=gl.SliceLayout(0, out_l))
@@ -1098,11 +1142,11 @@ def plan_forward(M, N, K, dtype, device, mma=True):
                     num_stages=2)
     if kernel is None:
         if M <= 8 and mma:
-            kernel = "mma"  # 1.6-2.4x cuBLAS at M = 1, 1.4-2.0x at M = 8
+            kernel = "mma"  # 1.7-2.5x cuBLAS at M = 1, 1.4-2.0x at M = 8
         elif M == 1:
             kernel = "gemv"  # 1.2-1.8x
-        elif M <= 128 and wgmma:
-            kernel = "wgmma"  # 1.2-2.0x cuBLAS at 16 rows, 0.8-1.4x at 64
+        elif wgmma and (M <= 128 or (M <= 256 and N >= 16384)):
+            kernel = "wgmma"  # 1.3-2.5x cuBLAS at 16 rows, 0.8-1.6x at 64; gate/up at 256 rows 0.7x (dequant 0.5x)
         elif M > 128 or dtype == torch.float32:
             kernel = "dequant"  # compute dominates: this layer's bf16 weight + cuBLAS (fp32: exact fp32 GEMM)
         else:
@@ -1119,17 +1163,18 @@ def plan_forward(M, N, K, dtype, device, mma=True):
         while split < cap and triton.cdiv(N, 64 * rt) * split < (2000 if M == 1 else 500 * rt):
             split *= 2
         return dict(kernel="mma", ROW_TILES=rt, num_warps=4, SPLIT_K=split)
-    if kernel == "wgmma":  # 64 weight rows x 16, 32 or 64 rows of x a program, k-steps of 256 (128 where K
-        # is no multiple of 256); K split to give the narrow layers more programs: 8 ways below 64 rows of x,
-        # 4 at 64 rows, 2 above; gate/up has programs enough from 32 rows (the best found on the Qwen2.5-7B
-        # shapes: `--tune`, results/fp4_gemm_h200.md)
-        bt = _wgmma_rows_of_x(M)
-        bk = 256 if K % 256 == 0 else 128
+    if kernel == "wgmma":  # 64 weight rows x 16, 32, 64 or 128 rows of x a program (128 for the wide or
+        # long layers above 64 rows), k-steps of 256 or 128; K split to give the narrow layers more programs:
+        # 8 ways below 64 rows of x, 4 at 64 rows, 2 above; gate/up has programs enough unsplit (the best
+        # found on the Qwen2.5-7B shapes, results/fp4_gemm_h200.md, session 9)
+        bt = _wgmma_rows_of_x(M, N, K)
         if N >= 16384:
-            split = 2 if bt == 16 else 1
+            bk, split = 256 if M <= 32 else 128, 1
+        elif bt == 128:
+            bk, split = 128, 4 if M <= 128 else 2
         else:
-            split = 8 if bt < 64 else 4 if M <= 64 else 2
-        return dict(kernel="wgmma", BT=bt, BLOCK_K=bk, SPLIT_K=split)
+            bk, split = 256, 8 if bt < 64 else 4 if M <= 64 else 2
+        return dict(kernel="wgmma", BT=bt, BLOCK_K=bk if K % bk == 0 else 128, SPLIT_K=split)
     if kernel == "gemv":  # 8 rows a program; split K in two when that still leaves few programs
         return dict(kernel="gemv", BLOCK_N=8, BLOCK_K=512, SPLIT_K=2 if triton.cdiv(N, 8) < 500 else 1,
                     num_warps=4, num_stages=1)
@@ -1154,8 +1199,12 @@ def plan_forward(M, N, K, dtype, device, mma=True):
     return dict(kernel="tiled", GROUP_M=8, **cfg)
 
 
-def _wgmma_rows_of_x(M):
-    """Rows of x a wgmma program takes (the MMA's N): 16, 32 or 64, the smallest that holds M, at most 64."""
+def _wgmma_rows_of_x(M, N, K):
+    """Rows of x a wgmma program takes (the MMA's N): 16, 32 or 64, the smallest that holds M, at most 64;
+    128 above 64 rows for gate/up-like (wide) and down-like (long-K) layers, whose decode then repeats half
+    as often."""
+    if M > 64 and (N >= 16384 or K >= 8192):
+        return 128
     return 16 if M <= 16 else 32 if M <= 32 else 64
 
 
@@ -1713,11 +1762,11 @@ def _candidates(M, N, K, direction):
                 if split == 1 or triton.cdiv(N, bn) * split <= 1800:
                     c.append(dict(kernel="gemv", BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=w, num_stages=1))
     if 8 < M <= 256:
-        bt = _wgmma_rows_of_x(M)
-        for bk in (128, 256):
-            if K % bk == 0:
-                for split in (1, 2, 4, 8, 16):
-                    c.append(dict(kernel="wgmma", BT=bt, BLOCK_K=bk, SPLIT_K=split))
+        for bt in [_wgmma_rows_of_x(min(M, 64), N, K)] + ([128] if M > 64 else []):
+            for bk in (128, 256):
+                if K % bk == 0:
+                    for split in (1, 2, 4, 8, 16):
+                        c.append(dict(kernel="wgmma", BT=bt, BLOCK_K=bk, SPLIT_K=split))
     if 16 < M <= 64:
         for bm in (32, 64) if M <= 32 else (64,):
             for bn in (32, 64, 128):

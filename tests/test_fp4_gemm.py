@@ -386,13 +386,16 @@ hopper_gluon = pytest.mark.skipif(
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_wgmma_against_float64(dtype, poisoned):
     """The wgmma kernel (decoded weights as wgmma's register operand, x permuted along K in shared
-    memory) against float64: token tiles that overhang M, rows past N, k-steps of 128 and 256, uneven
-    split-K (8 asked of 28 k-steps: 7 splits of 4; 3 of 3 k-steps), bias, per-row global scales;
-    deterministic, with the split-K counters back at zero; and replayed inside a CUDA graph."""
+    memory) against float64: token tiles of 16 to 128 rows that overhang M, rows past N, k-steps of 128
+    and 256, uneven split-K (8 asked of 28 k-steps: 7 splits of 4; 3 of 3 k-steps), bias, per-row
+    global scales; deterministic, with the split-K counters back at zero; and replayed inside a CUDA
+    graph."""
     for M, K, N, bt, bk, split, bias, per_row in ((9, 128, 40, 16, 128, 1, True, True),
                                                   (17, 384, 264, 32, 128, 3, False, True),
                                                   (64, 1152, 200, 64, 128, 4, True, False),
                                                   (100, 1536, 136, 64, 256, 2, True, True),
+                                                  (40, 512, 300, 64, 256, 1, False, True),
+                                                  (150, 768, 520, 128, 128, 1, True, True),
                                                   (130, 3584, 72, 64, 128, 8, False, False)):
         q = make_q(N, K, per_row, seed=M + K)
         x = torch.randn(M, K, dtype=dtype, device=DEV)
@@ -482,7 +485,7 @@ def _pack(lo, hi, ty):
 def run_ptx_warp(asm, operands):
     """Run an inline-asm block for the 32 lanes of a warp at once. operands: {"$k": array (32,)} of uint32
     (float32 for the f32 accumulators); returns the registers. Implements only what the mma blocks
-    use: mov, and, or, shl, shr, prmt (default mode), mul.rn.{bf16,f16}x2 and
+    use: mov, and, or, shl, shr, mul.lo.u32, prmt (default mode), mul.rn.{bf16,f16}x2 and
     mma.sync.aligned.m16n8k16.row.col.f32 with the PTX ISA's fragment layout."""
     regs = {k: np.asarray(v) for k, v in operands.items()}
     lane = np.arange(32)
@@ -528,6 +531,8 @@ def run_ptx_warp(asm, operands):
             out = (u[0] << u[1]) & 0xFFFFFFFF
         elif op == "shr.b32":
             out = u[0] >> u[1]
+        elif op == "mul.lo.u32":
+            out = (u[0] * u[1]) & 0xFFFFFFFF
         elif op == "prmt.b32":
             pool = u[0] | (u[1] << 32)  # bytes 0-3 from a, 4-7 from b
             out = sum(((pool >> (8 * ((u[2] >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
