@@ -42,10 +42,11 @@ has finished). The step per layer, with the launches it costs:
     delta   = down(act) + LoRA                     2 (+1)
 
 so 12 launches a layer for an NVFP4 base at up to 8 rows (342 a step for Qwen2.5-7B), 16 for a bf16
-base, and 20 for NVFP4 from 9 rows on a Hopper GPU, where each of fp4_gemm's wgmma GEMMs first puts x
-in its K order in a launch of its own (fp4_gemm.k_ordered). The (+1)s: the LoRA A products as launches
-of their own, fp4_gemm.small_linear up to 64 rows (32 for down's long K), whose split K ends with the
-last program summing the partials, and cuBLAS above, whose tiles are then big enough.
+base, and 16 for NVFP4 from 9 rows on a Hopper GPU, where each of fp4_gemm's wgmma GEMMs first puts x
+in its K order in a launch of its own (fp4_gemm.k_ordered) that also computes the LoRA A product. The
+(+1)s: the LoRA A products as launches of their own where no fp4 launch carries them, fp4_gemm's
+small_linear up to 64 rows (32 for down's long K), whose split K ends with the last program summing
+the partials, and cuBLAS above, whose tiles are then big enough (so down at 33-64 rows adds one).
 
 On a Hopper GPU every Triton kernel of the step is launched with programmatic dependent launch
 (fp4_gemm.pdl_opts) and waits for the kernel before it on the GPU first thing (fp4_gemm.pdl_wait):
@@ -84,18 +85,19 @@ fused op below has its torch reference next to its kernel, and the tests run bot
 through Triton's interpreter).
 
 Measured (H200, Qwen2.5-7B shape, NVFP4 + LoRA r32 + AQN, results/rollout_h200.md): batch 1 runs
-at 2.75 ms a step against a 1.16 ms floor, batch 8 at 3.40, batch 64 at 5.57. In session 5's profile
-(3.00 ms a step then, before the LoRA-B kernel and PDL) batch 1's 2.83 ms of kernel time were
-fp4_gemm's GEMMs with the LoRA-A products riding in them 1.96 (3.67 GB at 1.87 TB/s, the
-tensor-core `mma` kernel), cuBLAS 0.39 (lm_head ~0.25 and the 56 LoRA-B products), this file's other
-kernels 0.48, and gaps between the 342 graphed launches 0.18. Without the graph a step costs ~70 ms
-(Python and launch overhead; session 1's measurement). The LoRA-A products as launches of their own
-cost 4.2-8.2 µs each (0.47 ms a step, at 3.42 ms a step), inside the GEMM's launch 0.4-3 µs. What
-remains, in order: the fp4 GEMMs at ~1.9 TB/s instead of ~4 (memory latency and a busy ALU pipe, see
-fp4_gemm.py), and faster fp4 GEMMs for 16-64 rows. Batch 64 is 1.08x bf16's speed; in session 7's
-profile (5.99 ms a step) its 5.52 ms of kernel time were the wgmma GEMMs 3.09 (3.67 GB at ~1.2 TB/s),
-attention 0.61, cuBLAS 0.56 (lm_head ~0.26, the LoRA-B products, down's LoRA-A), small_linear's LoRA-A
-products 0.44, putting x in the wgmma kernel's K order 0.30, this file's other kernels 0.46.
+at 2.62 ms a step against a 1.16 ms floor, batch 8 at 3.44, batch 64 at 5.42. In session 9's profile
+batch 1's 2.66 ms of kernel time were fp4_gemm's GEMMs with the LoRA-A products riding in them 1.81
+(3.67 GB at 2.0 TB/s, the tensor-core `mma` kernel), cuBLAS's lm_head 0.26, and this file's kernels
+0.59 (attention 0.14, add_rmsnorm 0.13, LoRA B 0.12, silu_mul 0.10, rope_write 0.10); the 342 graphed
+launches leave no gaps (with programmatic dependent launch they even overlap a little: 2.66 ms of kernel
+time in a 2.62 ms step). Without the graph a step costs ~70 ms (Python and launch overhead;
+session 1's measurement). The LoRA-A products as launches of their own cost 4.2-8.2 µs each (0.47 ms a
+step, at 3.42 ms a step), inside the GEMM's launch 0.4-3 µs. What remains, in order: the fp4 GEMMs at
+~2 TB/s instead of ~4 (a busy ALU pipe and memory latency, see fp4_gemm.py), and faster fp4 GEMMs for
+16-64 rows. Batch 64 is 1.09x bf16's speed; in the same profile its 5.36 ms of kernel time were the
+wgmma GEMMs 2.96 (3.67 GB at ~1.2 TB/s), attention 0.61, the LoRA-A products 0.43 (small_linear; now in
+the K-order launches), cuBLAS 0.48 (lm_head, and down's LoRA-A with its split-K reduces), putting x in
+the wgmma kernel's K order 0.31, this file's other kernels 0.57.
 
 Departures. vLLM (which the official QeRL code uses) pages its KV cache and batches continuously;
 here a batch is static and every row shares the cache's column index (left padding), which keeps the
