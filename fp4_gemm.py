@@ -27,13 +27,13 @@ Decoding in registers, without tables. Both formats are tiny floats, so bit move
 On the GPU this is PTX on 32-bit registers (two values per instruction): for the mma and wgmma
 kernels, a mask keeps one code per 16-bit half, one integer multiply copies it to two places at once
 (e e m under bf16's exponent, the sign to bit 15) and a second mask keeps those bits (2 ALU
-instructions and one multiply on the FMA pipe), then one `mul.bf16x2` by the block scale; for the GEMV, 13 integer
-instructions turn a word of 8 codes into 4 float16 pairs ((h | h >> 3) & 0x8E008E00 with the high
-nibbles isolated in h); for the tiles, `prmt` + masks + one `mul.bf16x2`. At decode speed an SM has
-only a few issue slots per weight (the integer ones at half rate), so the decode must stay short.
-Under the Triton interpreter (CPU) the same numbers come from plain Triton integer ops; GPU tests
-check that both decodes agree bit for bit, and the CPU tests also run every PTX block through a small
-warp-wide emulator of the instructions it uses (tests/test_fp4_gemm.py).
+instructions and one multiply on the FMA pipe), then one `mul.bf16x2` by the block scale; for the
+GEMV, 13 integer instructions turn a word of 8 codes into 4 float16 pairs ((h | h >> 3) & 0x8E008E00
+with the high nibbles isolated in h); for the tiles, `prmt` + masks + one `mul.bf16x2`. At decode
+speed an SM has only a few issue slots per weight (the integer ones at half rate), so the decode must
+stay short. Under the Triton interpreter (CPU) the same numbers come from plain Triton integer ops;
+GPU tests check that both decodes agree bit for bit, and the CPU tests also run every PTX block
+through a small warp-wide emulator of the instructions it uses (tests/test_fp4_gemm.py).
 
 Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
 `python fp4_gemm.py --bench/--tune` on an H200 (results/fp4_gemm_h200.md has the measured table):
@@ -67,10 +67,11 @@ Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
   shared-memory round trip), the next k-step's x copies (cp.async) and codes load while this one
   decodes, and inside a step the MMA of each 64-k slice runs while the next slice decodes. At M = 16
   2.46x / 2.12x cuBLAS for gate/up / down and 1.31x / 1.49x for q/k/v / o; at M = 64 1.57x / 1.13x
-  and 0.90x / 0.81x; gate/up at M = 256 0.68x (dequant + cuBLAS: 0.51x). At 16 rows Nsight Compute puts the block-wide barriers of each k-step first among the
-  stalls, yet a third x buffer that removes one of them gained 0-4% there and lost up to 14% at
-  64-128 rows; prefetching two k-steps ahead, two row tiles a warpgroup (x read half as often) and two
-  warpgroups a program all measured slower too (results/fp4_gemm_h200.md).
+  and 0.90x / 0.81x; gate/up at M = 256 0.68x (dequant + cuBLAS: 0.51x). At 16 rows Nsight Compute
+  puts the block-wide barriers of each k-step first among the stalls, yet a third x buffer that
+  removes one of them gained 0-4% there and lost up to 14% at 64-128 rows; prefetching two k-steps
+  ahead, two row tiles a warpgroup (x read half as often), two or four warpgroups a program and
+  tiles of 256 rows of x all measured slower too (results/fp4_gemm_h200.md).
   Gluon has no interpreter: on CPU the tests run its PTX on the emulator and check the K order
   against it; on a Hopper GPU they check the kernel against float64.
 - tiled (2 <= M <= 128 where mma and wgmma do not serve: GPUs other than Hopper, or K not a multiple
@@ -78,10 +79,11 @@ Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
   read from HBM once, split-K (up to 8) where the tiles are few. On the H200 0.9-1.2x cuBLAS for q/k/v
   and o at M = 16, 0.7x at M = 64: the decode and the layout shuffle Triton adds before the MMA cost
   more issue slots than the bytes saved.
-- dequant + cuBLAS (M > 128 but gate/up-like layers to 256, fp32 inputs): a Triton kernel writes this one layer's weight in x's
-  dtype, bit-identical to nvfp4.dequantize (same float32 arithmetic), and cuBLAS multiplies; the copy
-  dies right after. 0.73-0.81x cuBLAS at M = 1024, 0.75-0.95x at M = 4096 (the spread of four
-  runs): the cost is writing and re-reading the bf16 weight (~100 us for gate/up).
+- dequant + cuBLAS (M > 128, gate/up-like layers from 257 on; fp32 inputs): a Triton kernel writes
+  this one layer's weight in x's dtype, bit-identical to nvfp4.dequantize (same float32 arithmetic),
+  and cuBLAS multiplies; the copy dies right after. 0.73-0.81x cuBLAS at M = 1024, 0.75-0.95x at M =
+  4096 (the spread of four runs): the cost is writing and re-reading the bf16 weight (~100 us for
+  gate/up).
 - A side product riding along (rollout's LoRA A's, `fp4_linear_side`): extra programs of the mma
   launch compute x @ A^T for a small bf16 A, split over K with the same ticketed sum, so decode pays
   one launch a projection instead of two (`small_linear` is the same product as a launch of its own).
@@ -682,8 +684,8 @@ if HAS_TRITON:
     # two places at once: by 2^6 + 2^12 for a code at bits 0-3 (e e m lands on bits 8..6, under bf16's
     # exponent, the sign on bit 15; the two copies never overlap, so nothing carries), by 2^2 + 2^8 for
     # a code at bits 4-7; a final and keeps those 4 bits. k2, k3, k6, k7 first move down a byte (shr).
-    # That is 9 ALU instructions a word (and + and a shift per code pair, plus one) and 4 multiplies on
-    # the FMA pipe; the f16 decode moves each pair's nibbles to bits 15..12 and 31..28 (shl), keeps the
+    # That is 9 ALU instructions a word (two ands per code pair, and the shift) and 4 multiplies on the
+    # FMA pipe; the f16 decode moves each pair's nibbles to bits 15..12 and 31..28 (shl), keeps the
     # sign and drops e e m three bits lower (and, shr, or + and): f16's 5-bit exponent puts the two
     # copies one bit apart, where the multiply would carry.
     def _word_decode_ptx(word, outs, scale, f16):
@@ -731,7 +733,8 @@ if HAS_TRITON:
             lines += [f"prmt.b32 s{r}0, u, 0, 0x1010;", f"prmt.b32 s{r}1, u, 0, 0x3232;"]
         for r, base in (("t", 4), ("b", 8)):
             for w in range(4):  # p: (k3,k7), (k2,k6), (k1,k5), (k0,k4)
-                lines.append(_word_decode_ptx(f"${base + w}", [f"w{r}{w}{p}" for p in range(4)], f"s{r}{w // 2}", f16))
+                outs = [f"w{r}{w}{p}" for p in range(4)]
+                lines.append(_word_decode_ptx(f"${base + w}", outs, f"s{r}{w // 2}", f16))
         for w in range(4):
             x01, x23, x45, x67 = (f"${14 + 4 * w + j}" for j in range(4))
             lines += [f"prmt.b32 x{w}0, {x23}, {x67}, 0x7632;", f"prmt.b32 x{w}1, {x23}, {x67}, 0x5410;",
@@ -959,7 +962,7 @@ if HAS_GLUON:
 
     @gluon.constexpr_function
     def _lane_local(inner, elems):
-        """(64, 4, inner[, 8]) with lane 4g + t of warp w holding rows 16w + g and 16w + g + 8 at index t
+        """(64 rows, 4, inner[, 8]) with lane 4g + t of warp w holding rows 16w + g and 16w + g + 8 at index t
         of axis 1, axis 2 (and the 8 elements of axis 3) in its registers: how each lane loads its own
         pieces. elems = 8 adds the last axis (one register per element: broadcasting a word to 8 values
         would otherwise keep it as one register, and the asm's 8 outputs would come out as one value)."""
@@ -1097,8 +1100,8 @@ if HAS_GLUON:
             words = words_next
             sb = sb_next
         # epilogue in a layout with each thread on 4 consecutive rows (= contiguous outputs of a token)
-        out_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[4, 1], threads_per_warp=[16, 2],
-                                               warps_per_cta=[1, 4], order=[0, 1])
+        out_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[4, 1], threads_per_warp=[16, 2], warps_per_cta=[1, 4],
+                                               order=[0, 1])
         acc = gl.convert_layout(acc, out_l)
         rows = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, out_l))
         toks = pid_m * BT + gl.arange(0, BT, layout=gl.SliceLayout(0, out_l))
