@@ -922,7 +922,7 @@ if HAS_TRITON:
             tl.store(y_ptr + toks.to(tl.int64) * stride_ym + rows, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-# ---- the wgmma kernel (9 to 128 rows of x, Hopper; written in Gluon) ----
+# ---- the wgmma kernel (9 to 128 rows of x, gate/up-like layers to 256; Hopper; written in Gluon) ----
 #
 # The mma kernel above keeps x in each warp's registers, so from 16 rows of x on every warp re-reads all
 # of it; the tiled kernel shares x through shared memory but Triton's tl.dot then makes the decoded
