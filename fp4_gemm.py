@@ -66,12 +66,15 @@ Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
   kernel first, `k_ordered`), the decoded weights are wgmma's left operand straight from registers (no
   shared-memory round trip), the next k-step's x copies (cp.async) and codes load while this one
   decodes, and inside a step the MMA of each 64-k slice runs while the next slice decodes. At M = 16
-  2.46x / 2.12x cuBLAS for gate/up / down and 1.31x / 1.49x for q/k/v / o; at M = 64 1.57x / 1.13x
-  and 0.90x / 0.81x; gate/up at M = 256 0.68x (dequant + cuBLAS: 0.51x). At 16 rows Nsight Compute
+  2.51x / 2.18x cuBLAS for gate/up / down and 1.45x / 1.45x for q/k/v / o; at M = 64 1.64x / 1.40x
+  and 0.94x / 0.89x; gate/up at M = 256 0.68x (dequant + cuBLAS: 0.51x). At 16 rows Nsight Compute
   puts the block-wide barriers of each k-step first among the stalls, yet a third x buffer that
   removes one of them gained 0-4% there and lost up to 14% at 64-128 rows; prefetching two k-steps
-  ahead, two row tiles a warpgroup (x read half as often), two or four warpgroups a program and
-  tiles of 256 rows of x all measured slower too (results/fp4_gemm_h200.md).
+  ahead, two row tiles a warpgroup (x read half as often), two or four warpgroups a program, tiles of
+  256 rows of x, the codes through a cp.async ring in shared memory and the loop unrolled by two all
+  measured slower or no faster (results/fp4_gemm_h200.md). At 64 rows its three bounds (tensor cores,
+  issue slots, DRAM) are each ~18 us for gate/up and it takes ~51: they overlap poorly within a
+  warpgroup, which warp-specialized producers and consumers would address.
   Gluon has no interpreter: on CPU the tests run its PTX on the emulator and check the K order
   against it; on a Hopper GPU they check the kernel against float64.
 - tiled (2 <= M <= 128 where mma and wgmma do not serve: GPUs other than Hopper, or K not a multiple
@@ -943,11 +946,11 @@ if HAS_TRITON:
 # while the lane decodes slice q + 1; only one slice's decoded registers wait for the tensor cores, not
 # the whole step's (127 registers instead of 178 at 64 rows of x). Split-K as the mma kernel's: fp32
 # partials and a ticket, the last program of a tile sums them in order.
-# What it measured (H200, results/fp4_gemm_h200.md, session 9): gate/up at 16 / 64 rows of x 33 / 52
-# us against cuBLAS's 82 / 81; q/k/v and o (few output tiles) at 64 rows 14 and 13 us (cuBLAS: 13 and
-# 10); at 256 rows gate/up 149 us against cuBLAS's 100 and dequant + cuBLAS's 203 (the other layers:
-# dequant + cuBLAS is as fast or faster). Two or four warpgroups a program sharing one x tile (half or
-# a quarter of the x traffic) measured slower everywhere.
+# What it measured (H200, results/fp4_gemm_h200.md, sessions 9-10): gate/up at 16 / 64 rows of x 33 /
+# 51 us against cuBLAS's 83 / 83; q/k/v and o (few output tiles) at 64 rows 14 and 12 us (cuBLAS: 13
+# and 10.5); at 256 rows gate/up 149 us against cuBLAS's 100 and dequant + cuBLAS's 203 (the other
+# layers: dequant + cuBLAS is as fast or faster). Two or four warpgroups a program sharing one x tile
+# (half or a quarter of the x traffic) measured slower everywhere.
 if HAS_GLUON:
     def _wgmma_word_asm(f16):
         """8 codes of a 32-bit word ($4; pack = 8 gives the asm 8 copies, $4-$11) → 4 registers $0-$3 of
@@ -1113,7 +1116,8 @@ if HAS_GLUON:
             tile = pid_m * gl.num_programs(0) + pid_n
             if gl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
                 acc = gl.zeros((64, BT), gl.float32, layout=out_l)
-                for s in gl.static_range(SPLIT_K):  # .cg: read L2, never a stale line of this SM's L1
+                for s in range(SPLIT_K):  # .cg: read L2, never a stale line of this SM's L1. (A loop: with
+                    # static_range the loads all issued at once and took up to 38 more registers.)
                     acc += gl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
                 gl.atomic_xchg(lock_ptr + tile, 0, sem="relaxed", scope="gpu")
                 _wgmma_finish(acc, rows, toks, mask, gs_ptr, bias_ptr, y_ptr, N, stride_ym, GS_PER_ROW, HAS_BIAS)

@@ -44,9 +44,11 @@ has finished). The step per layer, with the launches it costs:
 so 12 launches a layer for an NVFP4 base at up to 8 rows (342 a step for Qwen2.5-7B), 16 for a bf16
 base, and 16 for NVFP4 from 9 rows on a Hopper GPU, where each of fp4_gemm's wgmma GEMMs first puts x
 in its K order in a launch of its own (fp4_gemm.k_ordered) that also computes the LoRA A product. The
-(+1)s: the LoRA A products as launches of their own where no fp4 launch carries them, fp4_gemm's
-small_linear up to 64 rows (32 for down's long K), whose split K ends with the last program summing
-the partials, and cuBLAS above, whose tiles are then big enough (so down at 33-64 rows adds one).
+(+1)s: the LoRA A products as launches of their own where no fp4 launch carries them. For an NVFP4
+base (down from 33 rows, every layer from 65) they follow the GEMM: fp4_gemm's small_linear or cuBLAS.
+For a 16-bit base cuBLAS computes them on a second stream while the GEMM runs, and the stream rejoins
+before the LoRA B kernel reads them (8-9% off the bf16 step at batch 16-64). That stream runs cuBLAS
+only: fp4_gemm's split-K kernels share one buffer of ticket counters and must not run side by side.
 
 On a Hopper GPU every Triton kernel of the step is launched with programmatic dependent launch
 (fp4_gemm.pdl_opts) and waits for the kernel before it on the GPU first thing (fp4_gemm.pdl_wait):
@@ -84,20 +86,22 @@ On the CPU (tests) the same step runs eagerly with torch ops in place of the Tri
 fused op below has its torch reference next to its kernel, and the tests run both (the kernels
 through Triton's interpreter).
 
-Measured (H200, Qwen2.5-7B shape, NVFP4 + LoRA r32 + AQN, results/rollout_h200.md): batch 1 runs
-at 2.62 ms a step against a 1.16 ms floor, batch 8 at 3.44, batch 64 at 5.42. In session 9's profile
-batch 1's 2.66 ms of kernel time were fp4_gemm's GEMMs with the LoRA-A products riding in them 1.81
-(3.67 GB at 2.0 TB/s, the tensor-core `mma` kernel), cuBLAS's lm_head 0.26, and this file's kernels
+Measured (H200, Qwen2.5-7B shape, NVFP4 + LoRA r32 + AQN, results/rollout_h200.md, session 10): batch
+1 runs at 2.62 ms a step against a 1.16 ms floor, batch 8 at 3.42, batch 64 at 5.25. In session 10's
+profile batch 1's 2.66 ms of kernel time were fp4_gemm's GEMMs with the LoRA-A products riding in
+them 1.82 (3.67 GB at 2.0 TB/s, the tensor-core `mma` kernel), cuBLAS's lm_head 0.26, and this file's kernels
 0.59 (attention 0.14, add_rmsnorm 0.13, LoRA B 0.12, silu_mul 0.10, rope_write 0.10); the 342 graphed
 launches leave no gaps (with programmatic dependent launch they even overlap a little: 2.66 ms of kernel
 time in a 2.62 ms step). Without the graph a step costs ~70 ms (Python and launch overhead;
 session 1's measurement). The LoRA-A products as launches of their own cost 4.2-8.2 µs each (0.47 ms a
 step, at 3.42 ms a step), inside the GEMM's launch 0.4-3 µs. What remains, in order: the fp4 GEMMs at
 ~2 TB/s instead of ~4 (a busy ALU pipe and memory latency, see fp4_gemm.py), and faster fp4 GEMMs for
-16-64 rows. Batch 64 is 1.09x bf16's speed; in the same profile its 5.36 ms of kernel time were the
-wgmma GEMMs 2.96 (3.67 GB at ~1.2 TB/s), attention 0.61, the LoRA-A products 0.43 (small_linear; now in
-the K-order launches), cuBLAS 0.48 (lm_head, and down's LoRA-A with its split-K reduces), putting x in
-the wgmma kernel's K order 0.31, this file's other kernels 0.57.
+16-64 rows. Batch 64 is 1.05x bf16's speed. In the same profile its 5.17 ms of kernel time were:
+- the wgmma GEMMs 2.84 (3.67 GB at ~1.3 TB/s);
+- the launches putting x in K order, with the LoRA-A products riding in them, 0.64;
+- attention 0.62;
+- cuBLAS 0.48 (lm_head, and down's LoRA A above 32 rows, with its split-K reduces);
+- this file's other kernels 0.59.
 
 Departures. vLLM (which the official QeRL code uses) pages its KV cache and batches continuously;
 here a batch is static and every row shares the cache's column index (left padding), which keeps the
@@ -689,6 +693,8 @@ class Decoder:
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 4
         self.prec = "ieee" if self.dtype == torch.float32 else "tf32"
         self.pdl = fp4_gemm.pdl_opts(self.device) if self.triton else {}  # (programmatic dependent launch)
+        # a 16-bit base's LoRA A products run here, beside its GEMMs (see gemm)
+        self.side_stream = torch.cuda.Stream(self.device) if self.triton and self.device.type == "cuda" else None
         self.layers = [_Layer(b, self.dtype) for b in model.layers]
         self.fingerprint = _fingerprint(model)
         self.states = OrderedDict()
@@ -789,13 +795,25 @@ class Decoder:
 
     def gemm(self, grp, x):
         """A group's base GEMM and a = x @ A^T (M, sections·R) of its adapters (None without LoRA). An
-        NVFP4 group at decode computes a in the GEMM's own launch (fp4_gemm.fp4_linear_side); otherwise
-        fp4_gemm.side_linear picks small_linear or cuBLAS by the batch."""
+        NVFP4 group computes a in the GEMM's own launches where fp4_gemm can (fp4_gemm.fp4_linear_side:
+        up to 64 rows on a Hopper GPU, else side_linear after the GEMM). A 16-bit base, on the GPU,
+        computes a with cuBLAS on a second stream while its GEMM runs; the stream rejoins before a is read."""
         if not grp.R:
             return grp.gemm(x), None
-        if self.triton and isinstance(grp.gemm, fp4_gemm.QuantLinear):
+        if not self.triton:
+            return grp.gemm(x), F.linear(x, grp.A)
+        if isinstance(grp.gemm, fp4_gemm.QuantLinear):
             return fp4_gemm.fp4_linear_side(x, grp.gemm.q, grp.gemm.bias, grp.A)
-        return grp.gemm(x), fp4_gemm.side_linear(x, grp.A) if self.triton else F.linear(x, grp.A)
+        if self.side_stream is None:  # (CPU tensors: Triton's interpreter)
+            return grp.gemm(x), fp4_gemm.side_linear(x, grp.A)
+        main = torch.cuda.current_stream(x.device)
+        a = torch.empty(x.shape[0], grp.A.shape[0], dtype=x.dtype, device=x.device)  # (allocated on main)
+        self.side_stream.wait_stream(main)
+        with torch.cuda.stream(self.side_stream):  # cuBLAS: no split-K counters shared with fp4_gemm's kernels
+            torch.matmul(x, grp.A.t(), out=a)
+        y = grp.gemm(x)
+        main.wait_stream(self.side_stream)
+        return y, a
 
     def project(self, grp, x):
         """A single-linear group (o, down): base GEMM + LoRA, the B product added in place."""
@@ -1142,7 +1160,10 @@ def _profile(model, batch, prompt_len, steps=4):
         if t <= 0 or e.key.startswith(("Memcpy", "Memset")) or "aten::" in e.key:
             continue
         k = e.key
-        name = ("fp4 gemm" if k.startswith(("_mma_kernel", "_gemv_kernel", "_tiled_kernel", "_splitk_reduce", "_dequant_kernel")) else
+        name = ("fp4 gemm" if k.startswith(("_mma_kernel", "_wgmma_kernel", "_gemv_kernel", "_tiled_kernel",
+                                            "_splitk_reduce", "_dequant_kernel")) else
+                "fp4 gemm: x in K order (+ LoRA A)" if k.startswith("_k_order_kernel") else
+                "LoRA A (small_linear)" if k.startswith("_small_kernel") else
                 "attention" if "_attn_" in k else "rope+write" if "rope" in k else "silu_mul" if "silu" in k else
                 "add_rmsnorm" if "rmsnorm" in k else "sampler" if "sample" in k else "LoRA B" if "lora_b" in k else
                 "cuBLAS (lm_head, LoRA, bf16 base)" if "gemm" in k.lower() or "gemv" in k.lower() or "cutlass" in k

@@ -241,11 +241,12 @@ def test_gpu_graphs_and_kernels_match_eager_torch(hf_folder):
         assert (fast.logprobs[i, : len(comp)].double() - lp).abs().max() <= 1e-3
 
 
-def gpu_nvfp4_lora_model(hf_folder, seed):
-    """A small bf16 NVFP4 model on the GPU with rank-8 LoRA on every projection, B nonzero."""
+def gpu_lora_model(hf_folder, seed, quantize=True):
+    """A small bf16 model (NVFP4 base unless quantize=False) on the GPU with rank-8 LoRA on every
+    projection, B nonzero."""
     _, folder = hf_folder("qwen2", seed=seed, **{**CFG, "hidden_size": 256, "num_attention_heads": 4,
                                                   "num_key_value_heads": 2, "intermediate_size": 512})
-    model = M.Transformer.from_pretrained(folder, dtype=torch.bfloat16, device="cuda", quantize=True)
+    model = M.Transformer.from_pretrained(folder, dtype=torch.bfloat16, device="cuda", quantize=quantize)
     lora.apply_lora(model, rank=8, alpha=16)
     with torch.no_grad():
         for m in lora.lora_modules(model).values():
@@ -262,7 +263,7 @@ def test_gpu_nvfp4_lora_decode_in_bf16(hf_folder, n, kernel):
     the rollout through the Hopper wgmma kernel (which the per-shape plan keeps for wide layers)."""
     if kernel == "wgmma" and not (fp4_gemm.HAS_GLUON and torch.cuda.get_device_capability() == (9, 0)):
         pytest.skip("the wgmma kernel needs triton with Gluon and a Hopper GPU")
-    model = gpu_nvfp4_lora_model(hf_folder, seed=11)
+    model = gpu_lora_model(hf_folder, seed=11)
     prompts = prompts_of([13, 4, 30, 7][: 8 // n], 97, seed=12)
     with fp4_gemm.backend("auto", kernel=kernel):
         r = rollout.generate(model, prompts, n=n, max_new_tokens=24, temperature=1.0, seed=3, kernels="triton",
@@ -282,13 +283,14 @@ def test_gpu_nvfp4_lora_decode_in_bf16(hf_folder, n, kernel):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                     reason="programmatic dependent launch needs a Hopper or newer GPU")
-@pytest.mark.parametrize("prompts,n", [(1, 1), (2, 8)])
-def test_gpu_programmatic_launch_gives_the_same_rollout(hf_folder, monkeypatch, prompts, n):
+@pytest.mark.parametrize("prompts,n,quantize", [(1, 1, True), (2, 8, True), (2, 8, False)])
+def test_gpu_programmatic_launch_gives_the_same_rollout(hf_folder, monkeypatch, prompts, n, quantize):
     """With programmatic dependent launch (fp4_gemm.pdl_opts: each decode kernel may be scheduled before
-    the one ahead of it has finished, and waits for it in pdl_wait) the graphed NVFP4 + LoRA decode gives
-    the same tokens and logprobs, bit for bit, as plain launches: a kernel touching memory before the
-    wait would race. 1 row runs the mma kernel, 16 rows the wgmma kernel on Hopper."""
-    model = gpu_nvfp4_lora_model(hf_folder, seed=13)
+    the one ahead of it has finished, and waits for it in pdl_wait) the graphed LoRA decode gives the
+    same tokens and logprobs, bit for bit, as plain launches: a kernel touching memory before the wait
+    would race. NVFP4 base: 1 row runs the mma kernel, 16 rows the wgmma kernel on Hopper; bf16 base:
+    cuBLAS, with the LoRA A products on the decoder's second stream."""
+    model = gpu_lora_model(hf_folder, seed=13, quantize=quantize)
     assert fp4_gemm.pdl_opts(model.device)["PDL"]
     kw = dict(n=n, max_new_tokens=32, temperature=1.0, seed=4, kernels="triton", graphs=True)
     ps = prompts_of([21, 9][:prompts], 97, seed=14)
