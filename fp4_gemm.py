@@ -91,7 +91,8 @@ Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
   launch compute x @ A^T for a small bf16 A, split over K with the same ticketed sum, so decode pays
   one launch a projection instead of two (`small_linear` is the same product as a launch of its own).
   With the wgmma kernel the same programs ride in the launch that puts x in K order (up to 64 rows,
-  32 for down's long K).
+  32 for down's long K); rollout.py uses the mma launch's (up to 8 rows) and, above, cuBLAS on a second
+  stream beside the GEMM, which measured faster than riding in the K-order launch.
 - dX backward (dY @ W): dequant + cuBLAS for M > 128 (0.82-0.97x at M = 4096), the tiled kernel
   transposed (same tile decoder) below. Either way at most one layer's dequantized weight is alive,
   never a bf16 copy of the model.
@@ -1610,7 +1611,8 @@ def fp4_linear_side(x, q, bias, side):
     launch, the side's programs after the weight's: on the Qwen2.5-7B shapes the launch takes 0.4-3 us
     longer than the GEMM alone, where a launch of small_linear of its own took 4.2-8.2 us (H200,
     results/rollout_h200.md). With the wgmma kernel (9-64 rows on Hopper) the side's programs ride in
-    the launch that puts x in K order (k_ordered). Not differentiable (rollout only)."""
+    the launch that puts x in K order (k_ordered); rollout.py instead computes those rows' side products
+    with cuBLAS on a second stream, beside the GEMM, which measured faster. Not differentiable."""
     _check(x, q.packed, q.scale, q.global_scale)
     if x.dim() != 2 or side.shape[1] != x.shape[1] or side.dtype != x.dtype:
         raise ValueError(f"fp4_linear_side: x {tuple(x.shape)} {x.dtype} against side {tuple(side.shape)} {side.dtype}")

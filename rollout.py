@@ -30,8 +30,8 @@ has finished). The step per layer, with the launches it costs:
 
     h       = add_rmsnorm(x, delta, w1)              1   residual add + RMSNorm (Triton)
     qkv, a  = fused q|k|v GEMM (+ bias),             1   QuantLinear.concat, or one cat'ed bf16 weight;
-              a = h @ [A_q; A_k; A_v]^T             (+1)  the three LoRA A's side by side, in the GEMM's
-                                                         launch for NVFP4 (fp4_gemm.fp4_linear_side)
+              a = h @ [A_q; A_k; A_v]^T             (+1)  the three LoRA A's side by side: in the GEMM's
+                                                         launch (NVFP4, up to 8 rows), else beside it
     q, k, v = rope_write(qkv + a·B^T)                1   LoRA B, rotary embedding, K/V into the cache
     o       = attention(q, cache) (split + combine)  2
     delta   = o_proj(o) + (o @ A_o^T) @ B_o^T      2 (+1) base GEMM with LoRA A, then LoRA B added in
@@ -41,14 +41,17 @@ has finished). The step per layer, with the launches it costs:
     act     = silu_mul(gu + a·B^T)                   1   LoRA B, SiLU, product
     delta   = down(act) + LoRA                     2 (+1)
 
-so 12 launches a layer for an NVFP4 base at up to 8 rows (342 a step for Qwen2.5-7B), 16 for a bf16
-base, and 16 for NVFP4 from 9 rows on a Hopper GPU, where each of fp4_gemm's wgmma GEMMs first puts x
-in its K order in a launch of its own (fp4_gemm.k_ordered) that also computes the LoRA A product. The
-(+1)s: the LoRA A products as launches of their own where no fp4 launch carries them. For an NVFP4
-base (down from 33 rows, every layer from 65) they follow the GEMM: fp4_gemm's small_linear or cuBLAS.
-For a 16-bit base cuBLAS computes them on a second stream while the GEMM runs, and the stream rejoins
-before the LoRA B kernel reads them (8-9% off the bf16 step at batch 16-64). That stream runs cuBLAS
-only: fp4_gemm's split-K kernels share one buffer of ticket counters and must not run side by side.
+so 12 launches a layer for an NVFP4 base at up to 8 rows (342 a step for Qwen2.5-7B), where each
+GEMM's launch also computes its LoRA A product (fp4_gemm.fp4_linear_side). The (+1)s: everywhere else
+(a bf16 base; NVFP4 from 9 rows) the LoRA A products are cuBLAS launches on a second stream, which
+runs them while the GEMM runs and rejoins before the LoRA B kernel reads them; so 16 launches a layer,
+4 of them beside the GEMMs, and 4 more for NVFP4 from 9 rows on a Hopper GPU, where each of
+fp4_gemm's wgmma GEMMs first puts x in its K order in a launch of its own (fp4_gemm.k_ordered). Off
+the critical path the products cost nearly nothing: in same-run comparisons the second stream took
+8-10% off the step at batch 32 and 64 for NVFP4 (against its earlier way of riding them in the
+K-order launch) and at batch 16 and 64 for bf16 (results/rollout_h200.md, session 10). The stream
+runs cuBLAS only: fp4_gemm's split-K kernels share one buffer of ticket counters, and two of them side
+by side would corrupt each other's sums.
 
 On a Hopper GPU every Triton kernel of the step is launched with programmatic dependent launch
 (fp4_gemm.pdl_opts) and waits for the kernel before it on the GPU first thing (fp4_gemm.pdl_wait):
@@ -87,18 +90,21 @@ fused op below has its torch reference next to its kernel, and the tests run bot
 through Triton's interpreter).
 
 Measured (H200, Qwen2.5-7B shape, NVFP4 + LoRA r32 + AQN, results/rollout_h200.md, session 10): batch
-1 runs at 2.62 ms a step against a 1.16 ms floor, batch 8 at 3.42, batch 64 at 5.25. In session 10's
-profile batch 1's 2.66 ms of kernel time were fp4_gemm's GEMMs with the LoRA-A products riding in
-them 1.82 (3.67 GB at 2.0 TB/s, the tensor-core `mma` kernel), cuBLAS's lm_head 0.26, and this file's kernels
-0.59 (attention 0.14, add_rmsnorm 0.13, LoRA B 0.12, silu_mul 0.10, rope_write 0.10); the 342 graphed
-launches leave no gaps (with programmatic dependent launch they even overlap a little: 2.66 ms of kernel
-time in a 2.62 ms step). Without the graph a step costs ~70 ms (Python and launch overhead;
-session 1's measurement). The LoRA-A products as launches of their own cost 4.2-8.2 µs each (0.47 ms a
-step, at 3.42 ms a step), inside the GEMM's launch 0.4-3 µs. What remains, in order: the fp4 GEMMs at
-~2 TB/s instead of ~4 (a busy ALU pipe and memory latency, see fp4_gemm.py), and faster fp4 GEMMs for
-16-64 rows. Batch 64 is 1.05x bf16's speed. In the same profile its 5.17 ms of kernel time were:
+1 runs at 2.62 ms a step against a 1.16 ms floor, batch 8 at 3.42, batch 64 at 5.25 before its LoRA A
+products moved to the second stream (which then measured 5.14 -> 4.71 ms at 256 new tokens). In
+session 10's profile batch 1's 2.66 ms of kernel time were fp4_gemm's GEMMs with the LoRA-A products
+riding in them 1.82 (3.67 GB at 2.0 TB/s, the tensor-core `mma` kernel), cuBLAS's lm_head 0.26, and
+this file's kernels 0.59 (attention 0.14, add_rmsnorm 0.13, LoRA B 0.12, silu_mul 0.10, rope_write
+0.10); the 342 graphed launches leave no gaps (with programmatic dependent launch they even overlap a
+little: 2.66 ms of kernel time in a 2.62 ms step). Without the graph a step costs ~70 ms (Python and
+launch overhead; session 1's measurement). The LoRA-A products as launches of their own in line cost
+4.2-8.2 µs each (0.47 ms a step, at 3.42 ms a step), inside the GEMM's launch 0.4-3 µs. What remains,
+in order: the fp4 GEMMs at ~2 TB/s instead of ~4 (a busy ALU pipe and memory latency, see
+fp4_gemm.py), and faster fp4 GEMMs for 16-64 rows. In the profile before the second stream served
+NVFP4, batch 64's 5.17 ms of kernel time were:
 - the wgmma GEMMs 2.84 (3.67 GB at ~1.3 TB/s);
-- the launches putting x in K order, with the LoRA-A products riding in them, 0.64;
+- the launches putting x in K order, with the LoRA-A products riding in them, 0.64 (the products
+  alone took ~0.46 of that: the K-order launches by themselves cost 0.17);
 - attention 0.62;
 - cuBLAS 0.48 (lm_head, and down's LoRA A above 32 rows, with its split-K reduces);
 - this file's other kernels 0.59.
@@ -693,7 +699,7 @@ class Decoder:
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 4
         self.prec = "ieee" if self.dtype == torch.float32 else "tf32"
         self.pdl = fp4_gemm.pdl_opts(self.device) if self.triton else {}  # (programmatic dependent launch)
-        # a 16-bit base's LoRA A products run here, beside its GEMMs (see gemm)
+        # the LoRA A products that no fp4 launch carries run here, beside the GEMMs (see gemm)
         self.side_stream = torch.cuda.Stream(self.device) if self.triton and self.device.type == "cuda" else None
         self.layers = [_Layer(b, self.dtype) for b in model.layers]
         self.fingerprint = _fingerprint(model)
@@ -795,16 +801,17 @@ class Decoder:
 
     def gemm(self, grp, x):
         """A group's base GEMM and a = x @ A^T (M, sections·R) of its adapters (None without LoRA). An
-        NVFP4 group computes a in the GEMM's own launches where fp4_gemm can (fp4_gemm.fp4_linear_side:
-        up to 64 rows on a Hopper GPU, else side_linear after the GEMM). A 16-bit base, on the GPU,
-        computes a with cuBLAS on a second stream while its GEMM runs; the stream rejoins before a is read."""
+        NVFP4 group of up to 8 rows computes a in the GEMM's own launch (fp4_gemm.fp4_linear_side).
+        Otherwise, on the GPU, cuBLAS computes a on a second stream while the GEMM runs, and the stream
+        rejoins before a is read."""
         if not grp.R:
             return grp.gemm(x), None
         if not self.triton:
             return grp.gemm(x), F.linear(x, grp.A)
-        if isinstance(grp.gemm, fp4_gemm.QuantLinear):
-            return fp4_gemm.fp4_linear_side(x, grp.gemm.q, grp.gemm.bias, grp.A)
-        if self.side_stream is None:  # (CPU tensors: Triton's interpreter)
+        fp4 = isinstance(grp.gemm, fp4_gemm.QuantLinear)
+        if self.side_stream is None or (fp4 and x.shape[0] <= 8):
+            if fp4:
+                return fp4_gemm.fp4_linear_side(x, grp.gemm.q, grp.gemm.bias, grp.A)
             return grp.gemm(x), fp4_gemm.side_linear(x, grp.A)
         main = torch.cuda.current_stream(x.device)
         a = torch.empty(x.shape[0], grp.A.shape[0], dtype=x.dtype, device=x.device)  # (allocated on main)
