@@ -288,8 +288,9 @@ def test_gpu_programmatic_launch_gives_the_same_rollout(hf_folder, monkeypatch, 
     """With programmatic dependent launch (fp4_gemm.pdl_opts: each decode kernel may be scheduled before
     the one ahead of it has finished, and waits for it in pdl_wait) the graphed LoRA decode gives the
     same tokens and logprobs, bit for bit, as plain launches: a kernel touching memory before the wait
-    would race. NVFP4 base: 1 row runs the mma kernel, 16 rows the wgmma kernel on Hopper; bf16 base:
-    cuBLAS, with the LoRA A products on the decoder's second stream."""
+    would race. NVFP4 base: 1 row runs the mma kernel (the LoRA A products in its launch), 16 rows the
+    wgmma kernel on Hopper; bf16 base: cuBLAS. At 16 rows the LoRA A products run on the decoder's
+    second stream."""
     model = gpu_lora_model(hf_folder, seed=13, quantize=quantize)
     assert fp4_gemm.pdl_opts(model.device)["PDL"]
     kw = dict(n=n, max_new_tokens=32, temperature=1.0, seed=4, kernels="triton", graphs=True)
