@@ -808,10 +808,9 @@ class Decoder:
             return grp.gemm(x), None
         if not self.triton:
             return grp.gemm(x), F.linear(x, grp.A)
-        fp4 = isinstance(grp.gemm, fp4_gemm.QuantLinear)
-        if self.side_stream is None or (fp4 and x.shape[0] <= 8):
-            if fp4:
-                return fp4_gemm.fp4_linear_side(x, grp.gemm.q, grp.gemm.bias, grp.A)
+        if isinstance(grp.gemm, fp4_gemm.QuantLinear) and (self.side_stream is None or x.shape[0] <= 8):
+            return fp4_gemm.fp4_linear_side(x, grp.gemm.q, grp.gemm.bias, grp.A)
+        if self.side_stream is None:  # (CPU tensors: Triton's interpreter)
             return grp.gemm(x), fp4_gemm.side_linear(x, grp.A)
         main = torch.cuda.current_stream(x.device)
         a = torch.empty(x.shape[0], grp.A.shape[0], dtype=x.dtype, device=x.device)  # (allocated on main)
