@@ -57,9 +57,17 @@ from eval import evaluate, load_policy
 from model import resolve_model_dir, stop_token_ids
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except None: those defaults depend on the model or --algo, and the
+    option's help says how."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="RL (DAPO/GRPO) on an NVFP4 base with LoRA and AQN.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=_HelpFormatter)
     # what to train
     p.add_argument("--model", default="tiny", help="alias (tiny, qwen2.5-7b, ...), HF folder, NVFP4 folder or hub id")
     p.add_argument("--quant", default="nvfp4", choices=["nvfp4", "bf16"], help="base weights: NVFP4 (QeRL) or 16-bit (the LoRA baseline)")

@@ -112,6 +112,17 @@ def test_resume_of_an_older_run_fills_new_options_with_defaults(tmp_path):
     assert vars(args) == {**saved, "no_compile": False, "resume": str(tmp_path)}
 
 
+def test_help_shows_real_defaults_only(capsys):
+    """--help prints each option's default, but never "default: None": those options' defaults depend on
+    the model or --algo, and their help says how."""
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "default: None" not in text
+    assert "policy-gradient algorithm (default: dapo)" in text
+    assert "(default: arith for tiny, gsm8k otherwise)" in text
+
+
 def test_unknown_model_fails_clearly(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a hub id"):
         train.main(["--model", "no-such-model", "--out", str(tmp_path)])
