@@ -89,10 +89,11 @@ Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
   gate/up).
 - A side product riding along (rollout's LoRA A's, `fp4_linear_side`): extra programs of the mma
   launch compute x @ A^T for a small bf16 A, split over K with the same ticketed sum, so decode pays
-  one launch a projection instead of two (`small_linear` is the same product as a launch of its own).
-  With the wgmma kernel the same programs ride in the launch that puts x in K order (up to 64 rows,
-  32 for down's long K); rollout.py uses the mma launch's (up to 8 rows) and, above, cuBLAS on a second
-  stream beside the GEMM, which measured faster than riding in the K-order launch.
+  one launch a projection instead of two (`small_linear` is the same product as a launch of its own,
+  which serves every other kernel). rollout.py uses the mma launch's (up to 8 rows) and, above, cuBLAS
+  on a second stream beside the GEMM. (Until session 10 the side's programs also rode in the launch
+  that puts x in the wgmma kernel's K order; the second stream measured 8-10% faster a decode step at
+  32 and 64 rows, and that variant was removed.)
 - dX backward (dY @ W): dequant + cuBLAS for M > 128 (0.82-0.97x at M = 4096), the tiled kernel
   transposed (same tile decoder) below. Either way at most one layer's dequantized weight is alive,
   never a bf16 copy of the model.
@@ -642,25 +643,14 @@ if HAS_TRITON:
     # ---- x in the wgmma kernel's K order ----------------------------------------------------------
 
     @triton.jit
-    def _k_order_kernel(x_ptr, out_ptr, M, K, stride_xm, stride_xk, side_ptr, side_out_ptr, side_part_ptr, lock_ptr,
-                        SR, side_k_split, BK: tl.constexpr, BLOCK: tl.constexpr, SIDE_TILES: tl.constexpr,
-                        SIDE_SPLIT: tl.constexpr, SIDE_PAD: tl.constexpr, SIDE_F32: tl.constexpr, PDL: tl.constexpr):
+    def _k_order_kernel(x_ptr, out_ptr, M, K, stride_xm, stride_xk, BK: tl.constexpr, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr):
         """Program p < cdiv(K, BLOCK) · M: out[m, k] = x[m, wgmma_k_order[k]] for BLOCK columns k of row m
         (the same formula as wgmma_k_order, without an index tensor). x was just written by the kernel
-        before: the gathers hit L2. SIDE_TILES > 0: the programs after those are small_linear's for x @
-        side^T (column tile, K chunk, row tile; x contiguous along K), riding in the same launch."""
+        before: the gathers hit L2."""
         pdl_wait(PDL)
         blocks = tl.cdiv(K, BLOCK)
         p = tl.program_id(0)
-        if SIDE_TILES > 0:
-            if p >= blocks * M:
-                e = p - blocks * M
-                tile = e % SIDE_TILES
-                pid_m = e // (SIDE_TILES * SIDE_SPLIT)
-                _small_part(x_ptr, side_ptr, side_out_ptr, side_part_ptr, lock_ptr, M, K, SR, stride_xm, pid_m,
-                            tile, (e // SIDE_TILES) % SIDE_SPLIT, side_k_split, pid_m * SIDE_TILES + tile,
-                            SIDE_SPLIT, SIDE_PAD, 256, SIDE_F32)
-                return
         m = (p // blocks).to(tl.int64)
         k = (p % blocks) * BLOCK + tl.arange(0, BLOCK)
         col = k % BK
@@ -1394,40 +1384,26 @@ def wgmma_k_order(K, bk, device):
     return (torch.arange(0, K, bk, device=device)[:, None] + phys[None, :]).reshape(-1)
 
 
-def k_ordered(x2, bk, side=None):
+def k_ordered(x2, bk):
     """x2 (M, K) permuted along K into the wgmma kernel's order (x2[:, wgmma_k_order(K, bk)]) in one
     Triton launch: 1.6-5.0 µs up to 64 rows on the H200, where torch's index_select, a general gather,
-    took 4.5-5.5. side: an optional small (SR, K) matrix in x2's dtype; then returns (that, x2 @ side^T),
-    the product from small_linear's programs in the same launch (x2 must be contiguous along K)."""
+    took 4.5-5.5."""
     M, K = x2.shape
     out = torch.empty(M, K, dtype=x2.dtype, device=x2.device)
-    if not M:
-        return (out, torch.empty(0, side.shape[0], dtype=x2.dtype, device=x2.device)) if side is not None else out
-    block = 1024
-    programs = triton.cdiv(K, block) * M
-    sa, sout, spart, sr, sk, tiles, split = x2, x2, x2, 0, 0, 0, 1
-    if side is not None:
-        if x2.stride(1) != 1:
-            raise ValueError("k_ordered: a side product needs x contiguous along K")
-        sa, (split, sk), sr = side.contiguous(), _small_split(K), side.shape[0]
-        tiles = triton.cdiv(sr, 16)
-        sout, spart = _side_outputs(x2, sr, split)
-        programs += tiles * split * triton.cdiv(M, 16)
-    _kernels(x2.device)._k_order_kernel[(programs,)](
-        x2, out, M, K, *x2.stride(), sa, sout, spart, _locks(x2.device, tiles * triton.cdiv(M, 16)), sr, sk, BK=bk,
-        BLOCK=block, SIDE_TILES=tiles, SIDE_SPLIT=split, SIDE_PAD=triton.next_power_of_2(split),
-        SIDE_F32=x2.dtype == torch.float32 or not x2.is_cuda, num_warps=4, **pdl_opts(x2.device))
-    return (out, sout) if side is not None else out
+    if M:
+        block = 1024
+        _kernels(x2.device)._k_order_kernel[(triton.cdiv(K, block) * M,)](
+            x2, out, M, K, *x2.stride(), BK=bk, BLOCK=block, num_warps=4, **pdl_opts(x2.device))
+    return out
 
 
-def _wgmma_linear(x2, packed, scale_u8, gs, bias, plan, side=None):
-    """The wgmma kernel's launch: x permuted along K (k_ordered, which also computes x2 @ side^T when a
-    side is given; then returns (y, that)), then one launch that also sums its split-K partials."""
+def _wgmma_linear(x2, packed, scale_u8, gs, bias, plan):
+    """The wgmma kernel's launch: x permuted along K (k_ordered), then one launch that also sums its
+    split-K partials."""
     M, K = x2.shape
     N = packed.shape[0]
     bt, bk = plan["BT"], plan["BLOCK_K"]
-    ordered = k_ordered(x2, bk, side)
-    xp, side_out = ordered if side is not None else (ordered, None)
+    xp = k_ordered(x2, bk)
     steps = K // bk
     split_steps = triton.cdiv(steps, plan["SPLIT_K"])
     split = triton.cdiv(steps, split_steps)  # (every split non-empty)
@@ -1439,14 +1415,13 @@ def _wgmma_linear(x2, packed, scale_u8, gs, bias, plan, side=None):
                         packed.stride(0) // 4, scale_u8.stride(0), split_steps, BT=bt, BK=bk, SPLIT_K=split,
                         GS_PER_ROW=gs.numel() > 1, HAS_BIAS=bias is not None, F16=x2.dtype == torch.float16,
                         num_warps=4, **pdl_opts(x2.device))
-    return (y, side_out) if side is not None else y
+    return y
 
 
 def triton_linear(x2, packed, scale_u8, gs, bias, plan=None, side=None):
     """y (M, N) = x2 (M, K) @ W^T (+ bias) on the Triton path; `plan` overrides plan_forward.
     side: an optional small (SR, K) matrix in x2's dtype (rollout's LoRA A's); then returns (y, x2 @
-    side^T): with the mma kernel (M <= 8) both from one launch; with the wgmma kernel the side rides in
-    the launch that puts x in K order (where small_linear would serve it); else side_linear's."""
+    side^T): with the mma kernel (M <= 8) both from one launch; else side_linear's."""
     M, K = x2.shape
     N = packed.shape[0]
     plan = plan or plan_forward(M, N, K, x2.dtype, x2.device)
@@ -1454,8 +1429,6 @@ def triton_linear(x2, packed, scale_u8, gs, bias, plan=None, side=None):
                                                                   and not _words_aligned(packed)):
         plan = plan_forward(M, N, K, x2.dtype, x2.device, mma=False)
     if side is not None and (plan["kernel"] != "mma" or not 0 < M <= 8):  # (the side programs cover one row tile)
-        if plan["kernel"] == "wgmma" and M and _side_is_small(M, K) and x2.stride(1) == 1:
-            return _wgmma_linear(x2, packed, scale_u8, gs, bias, plan, side)
         return triton_linear(x2, packed, scale_u8, gs, bias, plan), side_linear(x2, side)
     y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     if M == 0:
@@ -1610,9 +1583,9 @@ def fp4_linear_side(x, q, bias, side):
     dtype (rollout: a group's LoRA A's). With the mma kernel (M <= 8 rows on the GPU) both come from one
     launch, the side's programs after the weight's: on the Qwen2.5-7B shapes the launch takes 0.4-3 us
     longer than the GEMM alone, where a launch of small_linear of its own took 4.2-8.2 us (H200,
-    results/rollout_h200.md). With the wgmma kernel (9-64 rows on Hopper) the side's programs ride in
-    the launch that puts x in K order (k_ordered); rollout.py instead computes those rows' side products
-    with cuBLAS on a second stream, beside the GEMM, which measured faster. Not differentiable."""
+    results/rollout_h200.md). Other kernels: the GEMM, then small_linear (or cuBLAS) for the side;
+    rollout.py computes those rows' side products with cuBLAS on a second stream instead, beside the
+    GEMM. Not differentiable."""
     _check(x, q.packed, q.scale, q.global_scale)
     if x.dim() != 2 or side.shape[1] != x.shape[1] or side.dtype != x.dtype:
         raise ValueError(f"fp4_linear_side: x {tuple(x.shape)} {x.dtype} against side {tuple(side.shape)} {side.dtype}")

@@ -683,17 +683,3 @@ def test_k_ordered_kernel_is_wgmma_k_order(M, K, bk, dtype, strided, poisoned):
     x = x[:, ::2] if strided else x[:, :K]
     got = fp4_gemm.k_ordered(x, bk)
     assert torch.equal(got, x.index_select(1, fp4_gemm.wgmma_k_order(K, bk, x.device)))
-
-
-@needs_triton
-@pytest.mark.parametrize("M,K,SR", [(3, 384, 40), (17, 2176, 96)])
-def test_k_ordered_carries_a_side_product(M, K, SR, poisoned):
-    """With a side matrix (rollout's LoRA A's at 9-64 rows) the K-order launch also computes x @ side^T
-    with small_linear's programs after its own: both outputs as when computed apart (the product in
-    fp32 against float64), a row tile past 16, a K tail in both; the ticket counters back at zero."""
-    g = torch.Generator().manual_seed(M + K + SR)
-    x, A = torch.randn(M, K, generator=g).to(DEV), torch.randn(SR, K, generator=g).to(DEV)
-    xp, got = fp4_gemm.k_ordered(x, 128, A)
-    assert torch.equal(xp, x.index_select(1, fp4_gemm.wgmma_k_order(K, 128, x.device)))
-    assert torch.allclose(got.double().cpu(), x.double().cpu() @ A.double().cpu().t(), rtol=1e-5, atol=1e-4)
-    assert not fp4_gemm._locks(x.device).any()
