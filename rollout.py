@@ -1192,6 +1192,8 @@ def bench(args):
 
     import aqn
 
+    if not torch.cuda.is_available():
+        raise SystemExit("rollout.py --bench needs a CUDA GPU")
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
     print(f"# {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, "

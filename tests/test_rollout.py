@@ -219,6 +219,12 @@ def test_rejects_bad_arguments(hf_folder):
         rollout.generate(model, [[1, 2]], top_p=0.0)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_bench_without_a_gpu_says_so():
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        rollout.main(["--bench"])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_graphs_and_kernels_match_eager_torch(hf_folder):
     hf, folder = hf_folder("qwen2", seed=10, **{**CFG, "hidden_size": 256, "num_attention_heads": 4,
