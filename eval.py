@@ -191,6 +191,9 @@ def load_policy(name, adapter=None, quant="nvfp4", device="cpu"):
 
 def main(argv=None):
     args = parse_args(argv)
+    from model import resolve_device
+
+    resolve_device(args.device)  # (stops with a message when cuda is asked for and absent)
     items = tasks.load_dataset(args.data, split=args.split, limit=args.limit, data_dir=args.data_dir)
     data_name = _slug(args.data).removesuffix(".jsonl")
     max_new = args.max_new_tokens or DEFAULT_MAX_NEW_TOKENS.get(data_name, 2048)

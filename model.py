@@ -373,6 +373,17 @@ def load_weights(model, folder, quantize_on_load=False):
                 dst.copy_(src.to(dst.dtype) if dst.is_floating_point() and dst.dtype.itemsize > 1 else src)
 
 
+def resolve_device(name=None):
+    """A CLI's --device → torch.device: None picks cuda when a GPU is visible, else cpu. Asking for cuda
+    where torch sees no GPU (a CPU build of torch, or no device) stops with a message, instead of torch's
+    assertion deep inside the first .to()."""
+    device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        why = "this torch is a CPU build" if torch.version.cuda is None else "torch sees no CUDA device"
+        raise SystemExit(f"--device {name}: {why}; run with --device cpu (or install torch with CUDA on a GPU machine)")
+    return device
+
+
 def resolve_model_dir(name_or_path):
     """A local folder, an alias ('qwen2.5-7b', 'tiny') or a hub id → a local folder with config.json.
     Hub ids are fetched with huggingface_hub (from its cache when present)."""

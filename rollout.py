@@ -134,7 +134,7 @@ import torch.nn.functional as F
 
 import fp4_gemm  # imported before triton: on a CPU-only machine it switches Triton's interpreter on
 import lora
-from model import Transformer, load_tokenizer, qwen25_config, rotate_half, stop_token_ids
+from model import Transformer, load_tokenizer, qwen25_config, resolve_device, rotate_half, stop_token_ids
 
 try:
     import triton
@@ -1279,7 +1279,7 @@ def _table(rows):
 
 def chat(args):
     """Stream one sampled answer to --prompt through the checkpoint's chat template."""
-    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = resolve_device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     tok = load_tokenizer(args.model)
     model = Transformer.from_pretrained(args.model, dtype=dtype, device=dev, quantize=args.quant == "nvfp4")

@@ -54,7 +54,7 @@ import lora
 import rollout
 import tasks
 from eval import evaluate, load_policy
-from model import resolve_model_dir, stop_token_ids
+from model import resolve_device, resolve_model_dir, stop_token_ids
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -440,7 +440,7 @@ def main(argv=None):
     args = recipe(args)
     check_args(args)
     t_start = time.time()
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(args.device)
     torch.manual_seed(args.seed)
     out = args.resume or args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     os.makedirs(out, exist_ok=True)

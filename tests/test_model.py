@@ -244,3 +244,13 @@ def test_rmsnorm_is_the_float32_formula():
         ref = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.double()
         step = 2**-8 if dtype == torch.bfloat16 else 1e-6
         assert ((norm(x).double() - ref).abs() <= step * ref.abs() + 1e-12).all()
+
+
+def test_resolve_device():
+    """--device: None takes the GPU when there is one; cuda where torch sees none stops with a message
+    (not torch's assertion at the first .to())."""
+    assert M.resolve_device("cpu") == torch.device("cpu")
+    assert M.resolve_device(None).type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="--device cuda: .* run with --device cpu"):
+            M.resolve_device("cuda")
