@@ -43,9 +43,17 @@ def test_short_run_learns(tmp_path):
     assert len(bs) == 4 * 7 and all(B.abs().max() > 0 for B in bs)
 
 
+# Every run of train.py below takes the same numerical code paths: MKL and ATen pick their kernels at
+# run time (by CPU, and MKL by other conditions too), and another pick changes the metrics' last bits
+# (MKL_CBWR=AVX2 against the default AVX-512 path moved the first step's loss in its 7th digit). One CI
+# run saw two runs of one seed differ at step 0, cause not found; this test is about what --resume
+# restores, so it rules the kernel picks out.
+PINNED = {"MKL_CBWR": "COMPATIBLE", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
 def run_cli(args, **kw):
     return subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, **kw)
+                            stderr=subprocess.DEVNULL, env={**os.environ, **PINNED}, **kw)
 
 
 def test_sigkill_and_resume_give_the_same_metrics(tmp_path):
