@@ -1357,19 +1357,13 @@ def small_linear(x2, A, bk=256):
     return out
 
 
-def _side_is_small(M, K):
-    """Whether small_linear (rather than cuBLAS) serves x (M, K) @ side^T: up to 64 rows, 32 for a K of
-    8192 or more. On the H200 at rank 32 (a LoRA A), small_linear took 4.0-5.9 µs up to 64 rows at K =
-    3584, where cuBLAS took 6.1-6.9 µs in two launches (a split-K GEMM and a reduce); at K = 18944 they tie
-    at 32 rows and cuBLAS wins at 64 (7.0 against 8.3 µs)."""
-    return M <= (32 if K >= 8192 else 64)
-
-
 def side_linear(x2, side):
-    """x2 @ side^T on the Triton path with no weight to ride along with: small_linear or cuBLAS
-    (_side_is_small)."""
+    """x2 @ side^T on the Triton path with no weight to ride along with: small_linear up to 64 rows (32
+    for a K of 8192 or more), cuBLAS above. On the H200 at rank 32 (a LoRA A), small_linear took 4.0-5.9
+    µs up to 64 rows at K = 3584, where cuBLAS took 6.1-6.9 µs in two launches (a split-K GEMM and a
+    reduce); at K = 18944 they tie at 32 rows and cuBLAS wins at 64 (7.0 against 8.3 µs)."""
     M, K = x2.shape
-    return small_linear(x2, side) if _side_is_small(M, K) else torch.nn.functional.linear(x2, side)
+    return small_linear(x2, side) if M <= (32 if K >= 8192 else 64) else torch.nn.functional.linear(x2, side)
 
 
 def wgmma_k_order(K, bk, device):

@@ -1168,7 +1168,7 @@ def _profile(model, batch, prompt_len, steps=4):
         k = e.key
         name = ("fp4 gemm" if k.startswith(("_mma_kernel", "_wgmma_kernel", "_gemv_kernel", "_tiled_kernel",
                                             "_splitk_reduce", "_dequant_kernel")) else
-                "fp4 gemm: x in K order (+ LoRA A)" if k.startswith("_k_order_kernel") else
+                "fp4 gemm: x in K order" if k.startswith("_k_order_kernel") else
                 "LoRA A (small_linear)" if k.startswith("_small_kernel") else
                 "attention" if "_attn_" in k else "rope+write" if "rope" in k else "silu_mul" if "silu" in k else
                 "add_rmsnorm" if "rmsnorm" in k else "sampler" if "sample" in k else "LoRA B" if "lora_b" in k else
