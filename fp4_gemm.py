@@ -156,8 +156,9 @@ try:  # Gluon: Triton with explicit layouts, for the Hopper wgmma kernel. Its AP
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                    warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     HAS_GLUON = tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 6)
 except ImportError:  # the other kernels serve every shape
@@ -1004,6 +1005,21 @@ if HAS_GLUON:
         return out
 
     @gluon.jit
+    def _wgmma_step(acc, a, words, sb, x_step, a_l: gl.constexpr, BT: gl.constexpr, F16: gl.constexpr):
+        """One k-step's MMAs: a = slice 0 already decoded from words / sb (lane-local codes and scales of
+        the step), x_step its x in shared memory, (Q · BT, 64). Slice q's MMA runs (async) while slice
+        q + 1 decodes; one MMA in flight at a time."""
+        Q: gl.constexpr = sb.shape[2]
+        for q in gl.static_range(Q):
+            acc = warpgroup_mma(a, x_step.slice(q * BT, BT).permute((1, 0)), acc, is_async=True)
+            if q + 1 < Q:
+                a_next = _wgmma_decode(_slice_of(words, q + 1, Q), _slice_of(sb, q + 1, Q), a_l, F16)
+                acc, a = warpgroup_mma_wait(0, deps=[acc, a])
+                a = a_next
+        acc, a = warpgroup_mma_wait(0, deps=[acc, a])
+        return acc
+
+    @gluon.jit
     def _wgmma_pdl_wait(PDL: gl.constexpr):
         """pdl_wait in Gluon (the same PTX instruction)."""
         if PDL:
@@ -1021,6 +1037,34 @@ if HAS_GLUON:
             acc += gl.load(bias_ptr + rows % N).to(gl.float32)[:, None]
         gl.store(y_ptr + toks[None, :].to(gl.int64) * stride_ym + rows[:, None], acc.to(y_ptr.dtype.element_ty),
                  mask=mask)
+
+    @gluon.jit
+    def _wgmma_epilogue(acc, tile_n, pid_m, pid_k, tiles_n, gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M, N,
+                        stride_ym, BT: gl.constexpr, SPLIT_K: gl.constexpr, GS_PER_ROW: gl.constexpr,
+                        HAS_BIAS: gl.constexpr):
+        """A warpgroup's (64 weight rows of tile tile_n, BT tokens) result: straight to y, or with split K
+        an fp32 partial and a ticket, the last program of the tile summing the partials in order."""
+        # a layout with each thread on 4 consecutive rows (= contiguous outputs of a token)
+        out_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[4, 1], threads_per_warp=[16, 2], warps_per_cta=[1, 4],
+                                               order=[0, 1])
+        acc = gl.convert_layout(acc, out_l)
+        rows = tile_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, out_l))
+        toks = pid_m * BT + gl.arange(0, BT, layout=gl.SliceLayout(0, out_l))
+        mask = (rows[:, None] < N) & (toks[None, :] < M)
+        if SPLIT_K > 1:
+            part = part_ptr + toks[None, :].to(gl.int64) * N + rows[:, None]  # split s at + s · M · N
+            gl.store(part + pid_k * M * N, acc, mask=mask)
+            _cta_barrier()  # every thread's partial is written before the ticket is taken
+            tile = pid_m * tiles_n + tile_n
+            if gl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+                acc = gl.zeros((64, BT), gl.float32, layout=out_l)
+                for s in range(SPLIT_K):  # .cg: read L2, never a stale line of this SM's L1. (A loop: with
+                    # static_range the loads all issued at once and took up to 38 more registers.)
+                    acc += gl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+                gl.atomic_xchg(lock_ptr + tile, 0, sem="relaxed", scope="gpu")
+                _wgmma_finish(acc, rows, toks, mask, gs_ptr, bias_ptr, y_ptr, N, stride_ym, GS_PER_ROW, HAS_BIAS)
+        else:
+            _wgmma_finish(acc, rows, toks, mask, gs_ptr, bias_ptr, y_ptr, N, stride_ym, GS_PER_ROW, HAS_BIAS)
 
     @gluon.jit
     def _wgmma_kernel(x_ptr, wp_ptr, ws_ptr, gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M, N, n_steps, stride_xm,
@@ -1081,39 +1125,117 @@ if HAS_GLUON:
             async_copy.wait_group(1)  # this step's x has landed (the next one may still be in flight)
             _cta_barrier()
             fence_async_shared()
-            x_now = x_bufs.index(i % 2)
-            # slice q's MMA runs while slice q + 1 decodes; one MMA in flight at a time
-            for q in gl.static_range(Q):
-                acc = warpgroup_mma(a, x_now.slice(q * BT, BT).permute((1, 0)), acc, is_async=True)
-                if q + 1 < Q:
-                    a_next = _wgmma_decode(_slice_of(words, q + 1, Q), _slice_of(sb, q + 1, Q), a_l, F16)
-                    acc, a = warpgroup_mma_wait(0, deps=[acc, a])
-                    a = a_next
-            acc, a = warpgroup_mma_wait(0, deps=[acc, a])
+            acc = _wgmma_step(acc, a, words, sb, x_bufs.index(i % 2), a_l, BT, F16)
             _cta_barrier()  # every warp is done with this buffer before the next step refills it
             words = words_next
             sb = sb_next
-        # epilogue in a layout with each thread on 4 consecutive rows (= contiguous outputs of a token)
-        out_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[4, 1], threads_per_warp=[16, 2], warps_per_cta=[1, 4],
-                                               order=[0, 1])
-        acc = gl.convert_layout(acc, out_l)
-        rows = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, out_l))
-        toks = pid_m * BT + gl.arange(0, BT, layout=gl.SliceLayout(0, out_l))
-        mask = (rows[:, None] < N) & (toks[None, :] < M)
-        if SPLIT_K > 1:
-            part = part_ptr + toks[None, :].to(gl.int64) * N + rows[:, None]  # split s at + s · M · N
-            gl.store(part + pid_k * M * N, acc, mask=mask)
-            _cta_barrier()  # every thread's partial is written before the ticket is taken
-            tile = pid_m * gl.num_programs(0) + pid_n
-            if gl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-                acc = gl.zeros((64, BT), gl.float32, layout=out_l)
-                for s in range(SPLIT_K):  # .cg: read L2, never a stale line of this SM's L1. (A loop: with
-                    # static_range the loads all issued at once and took up to 38 more registers.)
-                    acc += gl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-                gl.atomic_xchg(lock_ptr + tile, 0, sem="relaxed", scope="gpu")
-                _wgmma_finish(acc, rows, toks, mask, gs_ptr, bias_ptr, y_ptr, N, stride_ym, GS_PER_ROW, HAS_BIAS)
+        _wgmma_epilogue(acc, pid_n, pid_m, pid_k, gl.num_programs(0), gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M,
+                        N, stride_ym, BT, SPLIT_K, GS_PER_ROW, HAS_BIAS)
+
+
+# The warp-specialized variant (plan key STAGES): the same decode and MMAs, fed by a producer warp.
+# In the kernel above each lane loads its own codes one k-step ahead, and at 64 rows of x Nsight
+# Compute finds it waiting on those loads (long scoreboard) and on the block-wide barriers around x's
+# buffers; at 1-8 rows the mma kernel waits on memory for the same reason (few bytes in flight). Here
+# one extra warp (the producer, 24 registers) issues TMA copies of each k-step's codes (64 rows x 128
+# bytes as 32-bit words, 128-byte swizzle, so the lanes' 16-byte reads hit distinct banks), scales
+# (64 x 16 bytes) and x (Q tiles of BT x 64) into a ring of STAGES buffers, and the consumer
+# warpgroups wait only on the ring's barriers (mbarrier: "ready" flips when a stage's bytes have
+# landed, "empty" when its NWG consumers are done with it). Consumers read codes and scales from shared
+# memory into the same lane-local registers as above and run the same slices. NWG = 2 puts two
+# consumer warpgroups (128 weight rows) on one x tile: x crosses from L2 half as often. Each consumer
+# stores its own result (_wgmma_epilogue). TMA needs k-steps of 256 (a row's scales: 16 bytes).
+if HAS_GLUON:
+    @gluon.constexpr_function
+    def _lane_local_2d(inner):
+        """_lane_local(inner, 1) flattened to (64, 4 · inner): what a (64, 4 · inner) tile in shared memory
+        loads into, each lane taking the same pieces as it would from global memory."""
+        regs = [[0, 1 << i] for i in range(inner.bit_length() - 1)] + [[8, 0]]
+        lanes = [[0, inner], [0, 2 * inner], [1, 0], [2, 0], [4, 0]]
+        return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=lanes, warp_bases=[[16, 0], [32, 0]],
+                                          block_bases=[], shape=[64, 4 * inner])
+
+    @gluon.jit
+    def _ws_producer(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, row0, tok0, s_lo, n,
+                     BT: gl.constexpr, STAGES: gl.constexpr, NWG: gl.constexpr):
+        """One warp: k-steps s_lo .. s_lo + n of codes and scales (NWG tiles of 64 rows from row0) and x
+        (tokens tok0 ..) into the ring, each stage once its consumers have released it."""
+        Q: gl.constexpr = 4  # 64-k slices of a k-step of 256
+        nbytes: gl.constexpr = NWG * (w_desc.block_type.nbytes + s_desc.block_type.nbytes) + Q * x_desc.block_type.nbytes
+        for i in range(n):
+            st = i % STAGES
+            mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)  # (passes at once on a fresh barrier)
+            bar = ready.index(st)
+            mbarrier.expect(bar, nbytes)
+            k = s_lo + i
+            for g in gl.static_range(NWG):
+                tma.async_copy_global_to_shared(w_desc, [row0 + 64 * g, k * 32], bar, w_bufs.index(st * NWG + g))
+                tma.async_copy_global_to_shared(s_desc, [row0 + 64 * g, k * 16], bar, s_bufs.index(st * NWG + g))
+            for q in gl.static_range(Q):
+                tma.async_copy_global_to_shared(x_desc, [tok0, k * 256 + 64 * q], bar,
+                                                x_bufs.index(st).slice(q * BT, BT))
+
+    @gluon.jit
+    def _ws_consumer(w_bufs, s_bufs, x_bufs, ready, empty, n, wg, pid_k, gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr,
+                     M, N, stride_ym, BT: gl.constexpr, STAGES: gl.constexpr, NWG: gl.constexpr,
+                     SPLIT_K: gl.constexpr, GS_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, F16: gl.constexpr):
+        """One warpgroup: weight rows of tile wg (of the program's NWG) x BT tokens over the n k-steps."""
+        mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_l, k_width=2)
+        acc = gl.zeros((64, BT), gl.float32, layout=mma_l)
+        for i in range(n):
+            st = i % STAGES
+            mbarrier.wait(ready.index(st), (i // STAGES) & 1)
+            words = w_bufs.index(st * NWG + wg).load(_lane_local_2d(8)).to(gl.uint32, bitcast=True)
+            words = gl.convert_layout(gl.reshape(words, (64, 4, 8)), _lane_local(8, 1), assert_trivial=True)
+            sb = s_bufs.index(st * NWG + wg).load(_lane_local_2d(4))
+            sb = gl.convert_layout(gl.reshape(sb, (64, 4, 4)), _lane_local(4, 1), assert_trivial=True)
+            a = _wgmma_decode(_slice_of(words, 0, 4), _slice_of(sb, 0, 4), a_l, F16)
+            acc = _wgmma_step(acc, a, words, sb, x_bufs.index(st), a_l, BT, F16)
+            fence_async_shared()  # this warpgroup's reads are ordered before the producer's next TMA writes
+            mbarrier.arrive(empty.index(st), count=1)
+        tiles_n = gl.num_programs(0) * NWG
+        _wgmma_epilogue(acc, gl.program_id(0) * NWG + wg, gl.program_id(1), pid_k, tiles_n, gs_ptr, bias_ptr,
+                        y_ptr, part_ptr, lock_ptr, M, N, stride_ym, BT, SPLIT_K, GS_PER_ROW, HAS_BIAS)
+
+    @gluon.jit
+    def _wgmma_ws_kernel(x_desc, w_desc, s_desc, gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M, N, n_steps,
+                         stride_ym, split_steps, BT: gl.constexpr, STAGES: gl.constexpr, NWG: gl.constexpr,
+                         SPLIT_K: gl.constexpr, GS_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr,
+                         F16: gl.constexpr, PDL: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+        """Program (n, m, s): NWG · 64 weight rows, BT rows of x (in wgmma_k_order, through x_desc), k-steps
+        of 256 s · split_steps .. (n_steps in all). x_desc, w_desc, s_desc: TMA descriptors of x (BT, 64),
+        the codes as 32-bit words (64, 32) and the scale bytes (64, 16)."""
+        _wgmma_pdl_wait(PDL)
+        pid_n = gl.program_id(0)
+        pid_k = gl.program_id(2)
+        w_bufs = gl.allocate_shared_memory(gl.int32, [STAGES * NWG, 64, 32], w_desc.layout)
+        s_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES * NWG, 64, 16], s_desc.layout)
+        x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, 4 * BT, 64], x_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(STAGES):
+            mbarrier.init(ready.index(b), count=1)
+            mbarrier.init(empty.index(b), count=NWG)
+        s_lo = pid_k * split_steps
+        n = gl.minimum(split_steps, n_steps - s_lo)  # (the host makes every split non-empty)
+        # the partitions: consumer 0 in this program's 4 warps, the producer warp, [consumer 1 in 4 more]
+        if NWG == 1:
+            gl.warp_specialize([
+                (_ws_consumer, (w_bufs, s_bufs, x_bufs, ready, empty, n, 0, pid_k, gs_ptr, bias_ptr, y_ptr, part_ptr,
+                                lock_ptr, M, N, stride_ym, BT, STAGES, NWG, SPLIT_K, GS_PER_ROW, HAS_BIAS, F16)),
+                (_ws_producer, (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, pid_n * 64,
+                                gl.program_id(1) * BT, s_lo, n, BT, STAGES, NWG)),
+            ], [1], [24])
         else:
-            _wgmma_finish(acc, rows, toks, mask, gs_ptr, bias_ptr, y_ptr, N, stride_ym, GS_PER_ROW, HAS_BIAS)
+            gl.warp_specialize([
+                (_ws_consumer, (w_bufs, s_bufs, x_bufs, ready, empty, n, 0, pid_k, gs_ptr, bias_ptr, y_ptr, part_ptr,
+                                lock_ptr, M, N, stride_ym, BT, STAGES, NWG, SPLIT_K, GS_PER_ROW, HAS_BIAS, F16)),
+                (_ws_producer, (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, pid_n * 64 * NWG,
+                                gl.program_id(1) * BT, s_lo, n, BT, STAGES, NWG)),
+                (_ws_consumer, (w_bufs, s_bufs, x_bufs, ready, empty, n, 1, pid_k, gs_ptr, bias_ptr, y_ptr, part_ptr,
+                                lock_ptr, M, N, stride_ym, BT, STAGES, NWG, SPLIT_K, GS_PER_ROW, HAS_BIAS, F16)),
+            ], [1, 4], [24, CONSUMER_REGS])
 
 
 def _kernels(device):
@@ -1305,6 +1427,13 @@ def _words_aligned(packed):
     return packed.data_ptr() % 4 == 0 and packed.stride(0) % 4 == 0
 
 
+def _tma_fits(packed, scale_u8):
+    """The warp-specialized wgmma kernel's TMA copies need 16-byte aligned rows of codes and scales and
+    k-steps of 256 (a row's 16 scale bytes)."""
+    return (packed.data_ptr() % 16 == 0 and packed.stride(0) % 16 == 0 and packed.shape[1] % 128 == 0
+            and scale_u8.data_ptr() % 16 == 0 and scale_u8.stride(0) % 16 == 0)
+
+
 def _mma_fits(x2, packed):
     """The mma kernel reads x as 32-bit pairs and the codes as 32-bit words (16-byte vectors when Triton
     sees 16-byte alignment), a lane's 64 k at a time."""
@@ -1378,12 +1507,12 @@ def wgmma_k_order(K, bk, device):
     return (torch.arange(0, K, bk, device=device)[:, None] + phys[None, :]).reshape(-1)
 
 
-def k_ordered(x2, bk):
+def k_ordered(x2, bk, out=None):
     """x2 (M, K) permuted along K into the wgmma kernel's order (x2[:, wgmma_k_order(K, bk)]) in one
     Triton launch: 1.6-5.0 µs up to 64 rows on the H200, where torch's index_select, a general gather,
-    took 4.5-5.5."""
+    took 4.5-5.5. out: a contiguous (>= M, K) buffer for it (rows past M left as they are)."""
     M, K = x2.shape
-    out = torch.empty(M, K, dtype=x2.dtype, device=x2.device)
+    out = torch.empty(M, K, dtype=x2.dtype, device=x2.device) if out is None else out
     if M:
         block = 1024
         _kernels(x2.device)._k_order_kernel[(triton.cdiv(K, block) * M,)](
@@ -1393,22 +1522,43 @@ def k_ordered(x2, bk):
 
 def _wgmma_linear(x2, packed, scale_u8, gs, bias, plan):
     """The wgmma kernel's launch: x permuted along K (k_ordered), then one launch that also sums its
-    split-K partials."""
+    split-K partials. A plan with STAGES runs the warp-specialized variant (TMA descriptors of x, codes
+    and scales; x's buffer has at least BT rows, the rows past M never stored)."""
     M, K = x2.shape
     N = packed.shape[0]
-    bt, bk = plan["BT"], plan["BLOCK_K"]
-    xp = k_ordered(x2, bk)
+    bt, bk, ws = plan["BT"], plan["BLOCK_K"], "STAGES" in plan
+    if ws:
+        xp = torch.empty(max(M, bt), K, dtype=x2.dtype, device=x2.device)
+        k_ordered(x2, bk, out=xp)
+    else:
+        xp = k_ordered(x2, bk)
     steps = K // bk
     split_steps = triton.cdiv(steps, plan["SPLIT_K"])
     split = triton.cdiv(steps, split_steps)  # (every split non-empty)
     y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     part = torch.empty(split, M, N, dtype=torch.float32, device=x2.device) if split > 1 else y
-    grid = (triton.cdiv(N, 64), triton.cdiv(M, bt), split)
-    _wgmma_kernel[grid](xp, packed, scale_u8, gs, bias if bias is not None else gs, y, part,
-                        _locks(x2.device, grid[0] * grid[1]), M, N, steps, xp.stride(0), y.stride(0),
-                        packed.stride(0) // 4, scale_u8.stride(0), split_steps, BT=bt, BK=bk, SPLIT_K=split,
-                        GS_PER_ROW=gs.numel() > 1, HAS_BIAS=bias is not None, F16=x2.dtype == torch.float16,
-                        num_warps=4, **pdl_opts(x2.device))
+    flags = dict(SPLIT_K=split, GS_PER_ROW=gs.numel() > 1, HAS_BIAS=bias is not None, F16=x2.dtype == torch.float16,
+                 num_warps=4, **pdl_opts(x2.device))
+    bias = bias if bias is not None else gs
+    if not ws:
+        grid = (triton.cdiv(N, 64), triton.cdiv(M, bt), split)
+        _wgmma_kernel[grid](xp, packed, scale_u8, gs, bias, y, part, _locks(x2.device, grid[0] * grid[1]), M, N, steps,
+                            xp.stride(0), y.stride(0), packed.stride(0) // 4, scale_u8.stride(0), split_steps, BT=bt,
+                            BK=bk, **flags)
+        return y
+    nwg = plan.get("NWG", 1)
+    grid = (triton.cdiv(N, 64 * nwg), triton.cdiv(M, bt), split)
+    swizzled = lambda bits: gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=bits, rank=2)
+    x_desc = TensorDescriptor.from_tensor(xp, [bt, 64], swizzled(16))
+    w_desc = TensorDescriptor.from_tensor(packed.view(torch.int32), [64, 32], swizzled(32))
+    s_desc = TensorDescriptor.from_tensor(scale_u8, [64, 16], gl.NVMMASharedLayout(swizzle_byte_width=0,
+                                                                                   element_bitwidth=8, rank=2))
+    # Registers: `regs` a thread for every warpgroup of the program (the producer's counts as one); the
+    # partitions then trade them (setmaxnreg): the producer keeps 24, the consumers share the rest evenly.
+    regs = plan.get("maxnreg", 128 if nwg == 1 else 168)
+    _wgmma_ws_kernel[grid](x_desc, w_desc, s_desc, gs, bias, y, part, _locks(x2.device, grid[0] * nwg * grid[1]), M,
+                           N, steps, y.stride(0), split_steps, BT=bt, STAGES=plan["STAGES"], NWG=nwg,
+                           CONSUMER_REGS=((nwg + 1) * regs - 24) // nwg // 8 * 8, maxnreg=regs, **flags)
     return y
 
 
@@ -1422,6 +1572,8 @@ def triton_linear(x2, packed, scale_u8, gs, bias, plan=None, side=None):
     if (plan["kernel"] == "mma" and not _mma_fits(x2, packed)) or (plan["kernel"] == "wgmma"
                                                                   and not _words_aligned(packed)):
         plan = plan_forward(M, N, K, x2.dtype, x2.device, mma=False)
+    if "STAGES" in plan and not _tma_fits(packed, scale_u8):  # the same tiles without the producer warp
+        plan = {k: v for k, v in plan.items() if k not in ("STAGES", "NWG", "maxnreg")}
     if side is not None and (plan["kernel"] != "mma" or not 0 < M <= 8):  # (the side programs cover one row tile)
         return triton_linear(x2, packed, scale_u8, gs, bias, plan), side_linear(x2, side)
     y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
@@ -1787,6 +1939,18 @@ def _candidates(M, N, K, direction):
                 if K % bk == 0:
                     for split in (1, 2, 4, 8, 16):
                         c.append(dict(kernel="wgmma", BT=bt, BLOCK_K=bk, SPLIT_K=split))
+    # the warp-specialized wgmma: rings of 2 or 4 stages (deeper for 8 rows of x, which can also take
+    # fewer registers for more programs an SM), one or two consumer warpgroups
+    if K % 256 == 0 and M <= 256:
+        for bt in ([8] if M <= 8 else [_wgmma_rows_of_x(min(M, 64), N, K)] + ([128] if M > 64 else [])):
+            for nwg in (1, 2):
+                for stages in ((4, 6) if nwg == 1 else (4,)) if bt == 8 else (2, 4):
+                    if stages * (nwg * 9216 + bt * 512) > 220 * 1024:
+                        continue
+                    for split in (1, 2, 4, 8) + ((16,) if K >= 8192 else ()):
+                        for regs in (80, 128) if bt == 8 and nwg == 1 else (None,):
+                            p = dict(kernel="wgmma", BT=bt, BLOCK_K=256, SPLIT_K=split, STAGES=stages, NWG=nwg)
+                            c.append(p if regs is None else dict(p, maxnreg=regs))
     if 16 < M <= 64:
         for bm in (32, 64) if M <= 32 else (64,):
             for bn in (32, 64, 128):
@@ -1912,7 +2076,8 @@ def _kernel_label(p):
     if p["kernel"] == "mma":
         return f"mma {16 * p['num_warps'] * p['ROW_TILES']} rows{split} w{p['num_warps']}"
     if p["kernel"] == "wgmma":
-        return f"wgmma 64x{p['BT']}x{p['BLOCK_K']}{split}"
+        ws = f" ws{p['STAGES']}" + (f"x{p['NWG']}wg" if p.get("NWG", 1) > 1 else "") if "STAGES" in p else ""
+        return f"wgmma {64 * p.get('NWG', 1)}x{p['BT']}x{p['BLOCK_K']}{split}{ws}"
     return (f"{p['kernel']} {p.get('BLOCK_M', 1)}x{p['BLOCK_N']}x{p['BLOCK_K']}{split}"
             + (" plain-decode" if p.get("asm") is False else "") + f" w{p.get('num_warps')}s{p.get('num_stages')}")
 

@@ -416,6 +416,48 @@ def test_gpu_wgmma_against_float64(dtype, poisoned):
     assert torch.equal(got, fp4_gemm.triton_linear(x, *args, plan))
 
 
+@hopper_gluon
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_wgmma_ws_against_float64(dtype, poisoned):
+    """The warp-specialized wgmma kernel (a producer warp filling a ring by TMA; STAGES in the plan)
+    against float64: 8-row tiles from one row of x, rings shallower and deeper than the k-steps, uneven
+    split-K, two consumer warpgroups with rows past N, bias, per-row global scales, few registers; equal
+    bit for bit to the kernel without the producer on the same tiles (same slices, same order), and
+    deterministic, with the counters back at zero; codes that TMA cannot read fall back to that kernel;
+    replayed inside a CUDA graph."""
+    for M, K, N, bt, split, stages, nwg, regs, bias, per_row in (
+            (1, 512, 200, 8, 1, 4, 1, 80, True, True), (5, 2304, 72, 8, 4, 2, 1, 128, False, True),
+            (8, 1536, 136, 8, 2, 6, 2, None, True, False), (9, 256, 40, 16, 1, 4, 1, None, True, True),
+            (17, 2816, 264, 32, 5, 2, 1, None, False, True), (64, 1536, 200, 64, 4, 4, 2, None, True, False),
+            (100, 2048, 520, 128, 2, 2, 1, None, True, True), (130, 3584, 72, 64, 8, 2, 2, None, False, False)):
+        q = make_q(N, K, per_row, seed=M + K)
+        x = torch.randn(M, K, dtype=dtype, device=DEV)
+        b = torch.randn(N, dtype=dtype, device=DEV) if bias else None
+        args = (q.packed, q.scale.view(torch.uint8), q.global_scale, b)
+        tiles = dict(kernel="wgmma", BT=bt, BLOCK_K=256, SPLIT_K=split)
+        plan = dict(tiles, STAGES=stages, NWG=nwg, **({"maxnreg": regs} if regs else {}))
+        y = fp4_gemm.triton_linear(x, *args, plan)
+        ref = x.double().cpu() @ ref_weight(q.packed, q.scale, q.global_scale).t() + (b.double().cpu() if bias else 0)
+        assert torch.isfinite(y).all(), (M, K, N)
+        assert rel_err(y, ref) < (4e-3 if dtype == torch.bfloat16 else 1e-3), (M, K, N, rel_err(y, ref))
+        assert torch.equal(fp4_gemm.triton_linear(x, *args, plan), y)
+        if bt >= 16:
+            assert torch.equal(fp4_gemm.triton_linear(x, *args, tiles), y), (M, K, N)
+        assert not fp4_gemm._locks(x.device).any()
+    # codes at an odd offset: not TMA-aligned, so the same tiles without the producer
+    wide = make_q(N, K + 256, per_row, seed=3)
+    packed, scale = wide.packed[:, 8:8 + K // 2], wide.scale.view(torch.uint8)[:, 1:1 + K // 16]
+    assert not fp4_gemm._tma_fits(packed, scale)
+    got = fp4_gemm.triton_linear(x, packed, scale, wide.global_scale, None, plan)
+    assert torch.equal(got, fp4_gemm.triton_linear(x, packed, scale, wide.global_scale, None, tiles))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = fp4_gemm.triton_linear(x, *args, plan)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(got, fp4_gemm.triton_linear(x, *args, plan))
+
+
 @gpu_only
 def test_gpu_cuda_graph_and_compile():
     """A decode-sized call replays inside a CUDA graph and runs under torch.compile with the same result."""
