@@ -1572,6 +1572,8 @@ def triton_linear(x2, packed, scale_u8, gs, bias, plan=None, side=None):
     if (plan["kernel"] == "mma" and not _mma_fits(x2, packed)) or (plan["kernel"] == "wgmma"
                                                                   and not _words_aligned(packed)):
         plan = plan_forward(M, N, K, x2.dtype, x2.device, mma=False)
+    if "STAGES" in plan and plan["BLOCK_K"] != 256:
+        raise ValueError(f"the warp-specialized wgmma kernel takes k-steps of 256, not {plan['BLOCK_K']}")
     if "STAGES" in plan and not _tma_fits(packed, scale_u8):  # the same tiles without the producer warp
         plan = {k: v for k, v in plan.items() if k not in ("STAGES", "NWG", "maxnreg")}
     if side is not None and (plan["kernel"] != "mma" or not 0 < M <= 8):  # (the side programs cover one row tile)
