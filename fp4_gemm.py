@@ -1726,6 +1726,16 @@ def _backward(ctx, grad):
 _fp4_linear_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def side_rides_along(x, q):
+    """Whether fp4_linear_side(x, q, ...) computes its side product inside the GEMM's own launch (the mma
+    kernel's plan: up to 8 rows on the GPU) rather than in a launch of its own."""
+    M, K = x.shape
+    if M > 8 or not x.is_cuda or not _use_triton(x):
+        return False
+    packed = q.packed
+    return (plan_forward(M, packed.shape[0], K, x.dtype, x.device)["kernel"] == "mma" and _mma_fits(x, packed))
+
+
 def fp4_linear_side(x, q, bias, side):
     """Decode's (x @ dequantize(q).T + bias, x @ side.T) for 2-D x and a small dense side (SR, K) in x's
     dtype (rollout: a group's LoRA A's). With the mma kernel (M <= 8 rows on the GPU) both come from one

@@ -801,14 +801,16 @@ class Decoder:
 
     def gemm(self, grp, x):
         """A group's base GEMM and a = x @ A^T (M, sections·R) of its adapters (None without LoRA). An
-        NVFP4 group of up to 8 rows computes a in the GEMM's own launch (fp4_gemm.fp4_linear_side).
+        NVFP4 group whose GEMM can carry it (the mma kernel, up to 8 rows: fp4_gemm.side_rides_along)
+        computes a in the GEMM's own launch (fp4_gemm.fp4_linear_side).
         Otherwise, on the GPU, cuBLAS computes a on a second stream while the GEMM runs, and the stream
         rejoins before a is read."""
         if not grp.R:
             return grp.gemm(x), None
         if not self.triton:
             return grp.gemm(x), F.linear(x, grp.A)
-        if isinstance(grp.gemm, fp4_gemm.QuantLinear) and (self.side_stream is None or x.shape[0] <= 8):
+        if isinstance(grp.gemm, fp4_gemm.QuantLinear) and (self.side_stream is None
+                                                           or fp4_gemm.side_rides_along(x, grp.gemm.q)):
             return fp4_gemm.fp4_linear_side(x, grp.gemm.q, grp.gemm.bias, grp.A)
         if self.side_stream is None:  # (CPU tensors: Triton's interpreter)
             return grp.gemm(x), fp4_gemm.side_linear(x, grp.A)
