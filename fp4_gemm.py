@@ -1303,7 +1303,7 @@ def plan_forward(M, N, K, dtype, device, mma=True):
         # 8 ways below 64 rows of x, 4 at 64 rows, 2 above; gate/up has programs enough unsplit (the best
         # found on the Qwen2.5-7B shapes, results/fp4_gemm_h200.md, sessions 9 and 12)
         bt = _wgmma_rows_of_x(M, N, K)
-        if 32 < M <= 128 and K % 256 == 0:  # warp-specialized, a 2-deep ring: down 13% faster at 64 rows, every
+        if M > 32 and K % 256 == 0:  # warp-specialized, a 2-deep ring: down 13% faster at 64 rows, every
             # layer 5-15% faster at 128 (two consumer warpgroups for the 128-row tiles); no gain at 32 rows or
             # fewer, where the plain kernel's own prefetch keeps up
             split = 1 if N >= 16384 else 4 if K >= 8192 else 2 if M <= 64 else 1
