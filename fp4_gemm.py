@@ -1280,8 +1280,8 @@ def plan_forward(M, N, K, dtype, device, mma=True):
             kernel = "mma"  # 1.7-2.5x cuBLAS at M = 1, 1.4-2.0x at M = 8
         elif M == 1:
             kernel = "gemv"  # 1.2-1.8x
-        elif wgmma and (M <= 128 or (M <= 256 and N >= 16384)):
-            kernel = "wgmma"  # 1.3-2.5x cuBLAS at 16 rows, 0.8-1.6x at 64; gate/up at 256 rows 0.7x (dequant 0.5x)
+        elif wgmma and M <= 256:
+            kernel = "wgmma"  # 1.3-2.5x cuBLAS at 16 rows, 0.9-1.6x at 64, 0.6-0.9x at 256 (dequant 0.55-0.8x)
         elif M > 128 or dtype == torch.float32:
             kernel = "dequant"  # compute dominates: this layer's bf16 weight + cuBLAS (fp32: exact fp32 GEMM)
         else:
@@ -1306,8 +1306,11 @@ def plan_forward(M, N, K, dtype, device, mma=True):
         if M > 32 and K % 256 == 0:  # warp-specialized, a 2-deep ring: down 13% faster at 64 rows, every
             # layer 5-15% faster at 128 (two consumer warpgroups for the 128-row tiles); no gain at 32 rows or
             # fewer, where the plain kernel's own prefetch keeps up
-            split = 1 if N >= 16384 else 4 if K >= 8192 else 2 if M <= 64 else 1
-            return dict(kernel="wgmma", BT=bt, BLOCK_K=256, SPLIT_K=split, STAGES=2, NWG=2 if bt == 128 else 1)
+            split = 1 if N >= 16384 else (4 if M <= 128 else 2) if K >= 8192 else 2 if M <= 64 else 1
+            # two consumer warpgroups (128 weight rows a program) under 128-row tiles of x, except for o_proj's
+            # 3584 x 3584 at 256 rows (one: 18.8 us, two: 19.9 or more)
+            nwg = 2 if bt == 128 and (N > 4096 or K >= 8192) else 1
+            return dict(kernel="wgmma", BT=bt, BLOCK_K=256, SPLIT_K=split, STAGES=2, NWG=nwg)
         if N >= 16384:
             bk, split = 256 if M <= 32 else 128, 1
         elif bt == 128:
@@ -1343,7 +1346,7 @@ def _wgmma_rows_of_x(M, N, K):
     """Rows of x a wgmma program takes (the MMA's N): 16, 32 or 64, the smallest that holds M, at most 64;
     128 above 64 rows for gate/up-like (wide) and down-like (long-K) layers, whose decode then repeats half
     as often."""
-    if M > 64 and (N >= 16384 or K >= 8192):
+    if M > 128 or (M > 64 and (N >= 16384 or K >= 8192)):
         return 128
     return 16 if M <= 16 else 32 if M <= 32 else 64
 
