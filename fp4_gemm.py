@@ -60,21 +60,26 @@ Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
   wgmma kernel below shares it).
 - gemv (M = 1 with fp32 x): a program owns 8 weight rows and walks K in steps of 512 with 16-byte
   loads of packed codes, multiply-adding in fp32; optional split-K with a reduce kernel.
-- wgmma (9 <= M <= 128 on Hopper, and gate/up-like wide layers up to 256; Gluon, 16-bit x): the mma
+- wgmma (9 <= M <= 256 on Hopper; Gluon, 16-bit x): the mma
   kernel's idea on Hopper's warpgroup MMA. A warpgroup owns 64 weight rows and 16 to 128 rows of x; x
   sits in shared memory once per program (put in the K order that each lane decodes by a small Triton
   kernel first, `k_ordered`), the decoded weights are wgmma's left operand straight from registers (no
   shared-memory round trip), the next k-step's x copies (cp.async) and codes load while this one
   decodes, and inside a step the MMA of each 64-k slice runs while the next slice decodes. At M = 16
-  2.51x / 2.18x cuBLAS for gate/up / down and 1.45x / 1.45x for q/k/v / o; at M = 64 1.64x / 1.40x
-  and 0.94x / 0.89x; gate/up at M = 256 0.68x (dequant + cuBLAS: 0.51x). At 16 rows Nsight Compute
+  2.45x / 2.20x cuBLAS for gate/up / down and 1.34x / 1.54x for q/k/v / o. At 16 rows Nsight Compute
   puts the block-wide barriers of each k-step first among the stalls, yet a third x buffer that
   removes one of them gained 0-4% there and lost up to 14% at 64-128 rows; prefetching two k-steps
   ahead, two row tiles a warpgroup (x read half as often), two or four warpgroups a program, tiles of
   256 rows of x, the codes through a cp.async ring in shared memory and the loop unrolled by two all
   measured slower or no faster (results/fp4_gemm_h200.md). At 64 rows its three bounds (tensor cores,
-  issue slots, DRAM) are each ~18 us for gate/up and it takes ~51: they overlap poorly within a
-  warpgroup, which warp-specialized producers and consumers would address.
+  issue slots, DRAM) are each ~18 us for gate/up and it took ~51: they overlap poorly within a
+  warpgroup. So from 33 rows a warp-specialized variant runs: one producer warp fills a 2-deep ring of
+  shared-memory stages by TMA and the warpgroups only decode and multiply. It took down at 64 rows
+  from 33.1 to 28.7 us, and at 128-256 rows it is 2-15% faster than the plain kernel (down at 256: 37%
+  faster than dequant + cuBLAS). At M = 64 1.60x / 1.60x cuBLAS for gate/up / down and 0.92x / 0.89x
+  for q/k/v / o; at M = 128 1.09x / 1.18x and 0.69x / 0.75x; at M = 256 0.81x / 0.85x and 0.66x /
+  0.73x. At 1-32 rows it ties or loses (the plain kernel's own prefetch keeps up; at 1-8 rows the mma
+  kernel is 10-25% faster).
   Gluon has no interpreter: on CPU the tests run its PTX on the emulator and check the K order
   against it; on a Hopper GPU they check the kernel against float64.
 - tiled (2 <= M <= 128 where mma and wgmma do not serve: GPUs other than Hopper, or K not a multiple
@@ -82,7 +87,7 @@ Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
   read from HBM once, split-K (up to 8) where the tiles are few. On the H200 0.9-1.2x cuBLAS for q/k/v
   and o at M = 16, 0.7x at M = 64: the decode and the layout shuffle Triton adds before the MMA cost
   more issue slots than the bytes saved.
-- dequant + cuBLAS (M > 128, gate/up-like layers from 257 on; fp32 inputs): a Triton kernel writes
+- dequant + cuBLAS (M > 256 on Hopper, M > 128 elsewhere; fp32 inputs): a Triton kernel writes
   this one layer's weight in x's dtype, bit-identical to nvfp4.dequantize (same float32 arithmetic),
   and cuBLAS multiplies; the copy dies right after. 0.73-0.81x cuBLAS at M = 1024, 0.75-0.95x at M =
   4096 (the spread of four runs): the cost is writing and re-reading the bf16 weight (~100 us for
@@ -1145,6 +1150,8 @@ if HAS_GLUON:
 # memory into the same lane-local registers as above and run the same slices. NWG = 2 puts two
 # consumer warpgroups (128 weight rows) on one x tile: x crosses from L2 half as often. Each consumer
 # stores its own result (_wgmma_epilogue). TMA needs k-steps of 256 (a row's scales: 16 bytes).
+# Measured on the H200 (results/fp4_gemm_h200.md, session 12): faster from 33 rows of x on, with a ring
+# of 2 stages, which plan_forward uses there; at 1-32 rows no faster than the plain kernel or mma.
 if HAS_GLUON:
     @gluon.constexpr_function
     def _lane_local_2d(inner):
@@ -1304,8 +1311,8 @@ def plan_forward(M, N, K, dtype, device, mma=True):
         # found on the Qwen2.5-7B shapes, results/fp4_gemm_h200.md, sessions 9 and 12)
         bt = _wgmma_rows_of_x(M, N, K)
         if M > 32 and K % 256 == 0:  # warp-specialized, a 2-deep ring: down 13% faster at 64 rows, every
-            # layer 5-15% faster at 128 (two consumer warpgroups for the 128-row tiles); no gain at 32 rows or
-            # fewer, where the plain kernel's own prefetch keeps up
+            # layer 2-15% faster at 128-256 (at 256, q/k/v, o and down ran dequant + cuBLAS before: down 37%
+            # faster); no gain at 32 rows or fewer, where the plain kernel's own prefetch keeps up
             split = 1 if N >= 16384 else (4 if M <= 128 else 2) if K >= 8192 else 2 if M <= 64 else 1
             # two consumer warpgroups (128 weight rows a program) under 128-row tiles of x, except for o_proj's
             # 3584 x 3584 at 256 rows (one: 18.8 us, two: 19.9 or more)

@@ -1168,8 +1168,8 @@ def _profile(model, batch, prompt_len, steps=4):
         if t <= 0 or e.key.startswith(("Memcpy", "Memset")) or "aten::" in e.key:
             continue
         k = e.key
-        name = ("fp4 gemm" if k.startswith(("_mma_kernel", "_wgmma_kernel", "_gemv_kernel", "_tiled_kernel",
-                                            "_splitk_reduce", "_dequant_kernel")) else
+        name = ("fp4 gemm" if k.startswith(("_mma_kernel", "_wgmma_kernel", "_wgmma_ws_kernel", "_gemv_kernel",
+                                            "_tiled_kernel", "_splitk_reduce", "_dequant_kernel")) else
                 "fp4 gemm: x in K order" if k.startswith("_k_order_kernel") else
                 "LoRA A (small_linear)" if k.startswith("_small_kernel") else
                 "attention" if "_attn_" in k else "rope+write" if "rope" in k else "silu_mul" if "silu" in k else
