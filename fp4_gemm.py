@@ -60,26 +60,25 @@ Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
   wgmma kernel below shares it).
 - gemv (M = 1 with fp32 x): a program owns 8 weight rows and walks K in steps of 512 with 16-byte
   loads of packed codes, multiply-adding in fp32; optional split-K with a reduce kernel.
-- wgmma (9 <= M <= 256 on Hopper; Gluon, 16-bit x): the mma
-  kernel's idea on Hopper's warpgroup MMA. A warpgroup owns 64 weight rows and 16 to 128 rows of x; x
-  sits in shared memory once per program (put in the K order that each lane decodes by a small Triton
-  kernel first, `k_ordered`), the decoded weights are wgmma's left operand straight from registers (no
-  shared-memory round trip), the next k-step's x copies (cp.async) and codes load while this one
-  decodes, and inside a step the MMA of each 64-k slice runs while the next slice decodes. At M = 16
-  2.45x / 2.20x cuBLAS for gate/up / down and 1.34x / 1.54x for q/k/v / o. At 16 rows Nsight Compute
-  puts the block-wide barriers of each k-step first among the stalls, yet a third x buffer that
-  removes one of them gained 0-4% there and lost up to 14% at 64-128 rows; prefetching two k-steps
-  ahead, two row tiles a warpgroup (x read half as often), two or four warpgroups a program, tiles of
-  256 rows of x, the codes through a cp.async ring in shared memory and the loop unrolled by two all
-  measured slower or no faster (results/fp4_gemm_h200.md). At 64 rows its three bounds (tensor cores,
-  issue slots, DRAM) are each ~18 us for gate/up and it took ~51: they overlap poorly within a
-  warpgroup. So from 33 rows a warp-specialized variant runs: one producer warp fills a 2-deep ring of
-  shared-memory stages by TMA and the warpgroups only decode and multiply. It took down at 64 rows
-  from 33.1 to 28.7 us, and at 128-256 rows it is 2-15% faster than the plain kernel (down at 256: 37%
-  faster than dequant + cuBLAS). At M = 64 1.60x / 1.60x cuBLAS for gate/up / down and 0.92x / 0.89x
-  for q/k/v / o; at M = 128 1.09x / 1.18x and 0.69x / 0.75x; at M = 256 0.81x / 0.85x and 0.66x /
-  0.73x. At 1-32 rows it ties or loses (the plain kernel's own prefetch keeps up; at 1-8 rows the mma
-  kernel is 10-25% faster).
+- wgmma (9 <= M <= 256 on Hopper; Gluon, 16-bit x): the mma kernel's idea on Hopper's warpgroup MMA. A
+  warpgroup owns 64 weight rows and 16 to 128 rows of x; x sits in shared memory once per program (put
+  in the K order that each lane decodes by a small Triton kernel first, `k_ordered`), the decoded
+  weights are wgmma's left operand straight from registers (no shared-memory round trip), the next
+  k-step's x copies (cp.async) and codes load while this one decodes, and inside a step the MMA of each
+  64-k slice runs while the next slice decodes. At M = 16 2.45x / 2.20x cuBLAS for gate/up / down and
+  1.34x / 1.54x for q/k/v / o. At 16 rows Nsight Compute puts the block-wide barriers of each k-step
+  first among the stalls, yet a third x buffer that removes one of them gained 0-4% there and lost up to
+  14% at 64-128 rows; prefetching two k-steps ahead, two row tiles a warpgroup (x read half as often),
+  two or four warpgroups a program, tiles of 256 rows of x, the codes through a cp.async ring in shared
+  memory and the loop unrolled by two all measured slower or no faster (results/fp4_gemm_h200.md). At 64
+  rows its three bounds (tensor cores, issue slots, DRAM) are each ~18 us for gate/up and it took ~51:
+  they overlap poorly within a warpgroup. So from 33 rows a warp-specialized variant runs: one producer
+  warp fills a 2-deep ring of shared-memory stages by TMA and the warpgroups only decode and multiply.
+  It took down at 64 rows from 33.1 to 28.7 us, and at 128-256 rows it is 2-15% faster than the plain
+  kernel (down at 256: 37% faster than dequant + cuBLAS). At M = 64 1.60x / 1.60x cuBLAS for gate/up /
+  down and 0.92x / 0.89x for q/k/v / o; at M = 128 1.09x / 1.18x and 0.69x / 0.75x; at M = 256 0.81x /
+  0.85x and 0.66x / 0.73x. At 1-32 rows it ties or loses (the plain kernel's own prefetch keeps up; at
+  1-8 rows the mma kernel takes 7-26% less time).
   Gluon has no interpreter: on CPU the tests run its PTX on the emulator and check the K order
   against it; on a Hopper GPU they check the kernel against float64.
 - tiled (2 <= M <= 128 where mma and wgmma do not serve: GPUs other than Hopper, or K not a multiple
