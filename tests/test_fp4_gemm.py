@@ -475,6 +475,27 @@ def test_gpu_cuda_graph_and_compile():
     assert not torch.equal(want, got)  # the replay really recomputed from the new x
 
 
+def test_hopper_plans_are_configs_the_sweep_tries(monkeypatch):
+    """plan_forward's table on an H200 only ever picks configs that `--tune` times (so each was measured
+    and is checked by the GPU tests' kernels), for the Qwen2.5 7B, 14B and 32B layer shapes: the
+    warp-specialized wgmma kernel from 33 to 256 rows, with k-steps of 256; mma and gemv below 9 rows;
+    dequant + cuBLAS above 256."""
+    monkeypatch.setattr(fp4_gemm, "_is_hopper", lambda device: True)
+    monkeypatch.setattr(fp4_gemm, "HAS_GLUON", True)
+    cuda = torch.device("cuda")  # plan_forward's GPU table; nothing runs on a GPU here
+    shapes = [(3584, 4608), (3584, 3584), (3584, 37888), (18944, 3584),  # 7B: K, N of q/k/v, o, gate/up, down
+              (5120, 7168), (5120, 5120), (5120, 27648), (13824, 5120),  # 14B
+              (5120, 7168), (5120, 5120), (5120, 55296), (27648, 5120)]  # 32B
+    for M in (1, 4, 8, 9, 16, 32, 33, 64, 100, 128, 200, 256, 257, 1024, 4096):
+        for K, N in shapes:
+            plan = fp4_gemm.plan_forward(M, N, K, torch.bfloat16, cuda)
+            assert plan in fp4_gemm._candidates(M, N, K, "fwd"), (M, N, K, plan)
+            want = "mma" if M <= 8 else "wgmma" if M <= 256 else "dequant"
+            assert plan["kernel"] == want, (M, N, K, plan)
+            assert ("STAGES" in plan) == (32 < M <= 256), (M, N, K, plan)
+            assert "STAGES" not in plan or plan["BLOCK_K"] == 256
+
+
 def test_bench_table_names_every_planned_kernel():
     """`python fp4_gemm.py --bench` prints one table row per problem whatever kernel the per-shape plan
     picked (a missing key in one plan kind once lost a GPU run's table)."""
