@@ -191,10 +191,16 @@ def load_policy(name, adapter=None, quant="nvfp4", device="cpu"):
 
 def main(argv=None):
     args = parse_args(argv)
-    from model import resolve_device
+    from model import resolve_device, resolve_model_dir
 
     resolve_device(args.device)  # (stops with a message when cuda is asked for and absent)
-    items = tasks.load_dataset(args.data, split=args.split, limit=args.limit, data_dir=args.data_dir)
+    try:  # the model, the adapter and the data first: a missing or malformed one stops here, with what to do
+        resolve_model_dir(args.model)
+        if args.adapter and not os.path.isdir(args.adapter):
+            raise FileNotFoundError(f"no adapter folder at {args.adapter!r} (train.py writes one to RUN/adapter)")
+        items = tasks.load_dataset(args.data, split=args.split, limit=args.limit, data_dir=args.data_dir)
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        raise SystemExit(f"eval.py: {e}")
     data_name = _slug(args.data).removesuffix(".jsonl")
     max_new = args.max_new_tokens or DEFAULT_MAX_NEW_TOKENS.get(data_name, 2048)
     out = args.out or os.path.join("runs", "eval", f"{_slug(args.model)}-{data_name}")

@@ -443,12 +443,18 @@ def main(argv=None):
     device = resolve_device(args.device)
     torch.manual_seed(args.seed)
     out = args.resume or args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-    os.makedirs(out, exist_ok=True)
 
-    # The model's folder and the data first: either missing fails before minutes of loading.
-    model_dir = resolve_model_dir(args.model)
-    train_items = tasks.load_dataset(args.data, split="train" if not args.data.endswith(".jsonl") else "test")
-    eval_items = tasks.load_dataset(args.eval_data, split="test", limit=args.eval_limit)
+    # The model's folder and the data first: either missing or malformed stops here, with what to do,
+    # before minutes of loading (and before the run's folder exists).
+    try:
+        model_dir = resolve_model_dir(args.model)
+        train_items = tasks.load_dataset(args.data, split="train" if not args.data.endswith(".jsonl") else "test")
+        eval_items = tasks.load_dataset(args.eval_data, split="test", limit=args.eval_limit)
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        raise SystemExit(f"train.py: {e}")
+    if not train_items:
+        raise SystemExit(f"train.py: {args.data} holds no problems")
+    os.makedirs(out, exist_ok=True)
     kind = train_items[0]["kind"]
 
     model, tokenizer = load_policy(model_dir, quant=args.quant, device=device)  # (bf16 on a GPU, fp32 on CPU)

@@ -60,6 +60,19 @@ def test_cli_on_tiny_writes_summary_and_graded_samples(tmp_path):
     assert all(r["finish"] in ("stop", "length") for r in rows) and on_disk["mean_length"] < 64
 
 
+def test_missing_or_malformed_input_fails_clearly(tmp_path):
+    """A missing model or adapter folder, a malformed jsonl: one message naming it, before any loading."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "1+1", "answer": "2"}\n[1, 2]\n')
+    for argv, message in ((["--model", "no-such-model"], "not a hub id"),
+                          (["--adapter", str(tmp_path / "none")], "no adapter folder"),
+                          (["--data", str(bad)], f"{bad}:2:")):
+        with pytest.raises(SystemExit) as e:
+            ev.main(argv + ["--out", str(tmp_path / "e")])
+        assert str(e.value).startswith("eval.py: ") and message in str(e.value), str(e.value)
+    assert not (tmp_path / "e").exists()
+
+
 def test_breakdown_by_level_and_subject():
     """MATH-style items carry level and subject; the summary groups avg@K by them."""
     import model

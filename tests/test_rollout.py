@@ -219,6 +219,11 @@ def test_rejects_bad_arguments(hf_folder):
         rollout.generate(model, [[1, 2]], top_p=0.0)
 
 
+def test_chat_with_a_missing_model_says_so():
+    with pytest.raises(SystemExit, match="rollout.py: no model folder at '/no/such/model'"):
+        rollout.main(["--model", "/no/such/model", "--prompt", "hi", "--device", "cpu"])
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
 def test_bench_without_a_gpu_says_so():
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):

@@ -134,9 +134,19 @@ def test_help_shows_real_defaults_only(capsys):
     assert "(default: arith for tiny, gsm8k otherwise)" in text
 
 
-def test_unknown_model_fails_clearly(tmp_path):
-    with pytest.raises(FileNotFoundError, match="not a hub id"):
-        train.main(["--model", "no-such-model", "--out", str(tmp_path)])
+def test_unknown_model_or_bad_data_fails_clearly(tmp_path):
+    """A missing model, a malformed or empty jsonl: one message naming the problem (the file's line for
+    bad data), no traceback, and no run folder left behind."""
+    bad, empty = tmp_path / "bad.jsonl", tmp_path / "empty.jsonl"
+    bad.write_text('{"question": "1+1", "answer": "2"}\n{"question": "2+2"\n')
+    empty.write_text("\n")
+    for argv, message in ((["--model", "no-such-model"], "not a hub id"),
+                          (["--data", str(bad)], f"{bad}:2: invalid JSON"),
+                          (["--data", str(empty)], "holds no problems")):
+        with pytest.raises(SystemExit) as e:
+            train.main(argv + ["--out", str(tmp_path / "run")])
+        assert str(e.value).startswith("train.py: ") and message in str(e.value), str(e.value)
+        assert not (tmp_path / "run").exists()
 
 
 def test_nonfinite_loss_skips_the_update(monkeypatch, tmp_path):
