@@ -191,11 +191,11 @@ def load_policy(name, adapter=None, quant="nvfp4", device="cpu"):
 
 def main(argv=None):
     args = parse_args(argv)
-    from model import resolve_device, resolve_model_dir
+    from model import read_config, resolve_device
 
     resolve_device(args.device)  # (stops with a message when cuda is asked for and absent)
     try:  # the model, the adapter and the data first: a missing or malformed one stops here, with what to do
-        resolve_model_dir(args.model)
+        read_config(args.model)
         if args.adapter and not os.path.isdir(args.adapter):
             raise FileNotFoundError(f"no adapter folder at {args.adapter!r} (train.py writes one to RUN/adapter)")
         items = tasks.load_dataset(args.data, split=args.split, limit=args.limit, data_dir=args.data_dir)

@@ -301,10 +301,8 @@ class Transformer(nn.Module):
     def from_pretrained(cls, name_or_path, dtype=torch.bfloat16, device="cpu", quantize=False):
         """Load an HF Qwen2/Llama folder, alias or hub id. NVFP4 folders load as NVFP4; with
         quantize=True a bf16/fp32 folder is quantized to NVFP4 weight by weight as it loads."""
-        folder = resolve_model_dir(name_or_path)
-        with open(os.path.join(folder, "config.json")) as f:
-            raw = json.load(f)
-        model = cls._skeleton(Config(raw), dtype, quantize or nvfp4.is_nvfp4_config(raw))
+        folder, raw, cfg = read_config(name_or_path)
+        model = cls._skeleton(cfg, dtype, quantize or nvfp4.is_nvfp4_config(raw))
         model.materialize(device)
         load_weights(model, folder, quantize_on_load=quantize and not nvfp4.is_nvfp4_config(raw))
         return model.eval()
@@ -408,6 +406,15 @@ def resolve_model_dir(name_or_path):
         raise RuntimeError(f"could not download {target!r} from the Hugging Face hub ({type(e).__name__}: {e}). "
                            f"If this machine is offline, fetch it elsewhere with `huggingface-cli download {target} "
                            f"--local-dir DIR`, copy DIR here and pass --model DIR.") from None
+
+
+def read_config(name_or_path):
+    """(folder, config.json as a dict, Config) of a model folder, alias or hub id: Config raises for an
+    architecture this decoder does not implement, so a CLI can check its --model before loading anything."""
+    folder = resolve_model_dir(name_or_path)
+    with open(os.path.join(folder, "config.json")) as f:
+        raw = json.load(f)
+    return folder, raw, Config(raw)
 
 
 def load_tokenizer(name_or_path):

@@ -129,7 +129,7 @@ import torch.nn.functional as F
 
 import fp4_gemm  # imported before triton: on a CPU-only machine it switches Triton's interpreter on
 import lora
-from model import (Transformer, load_tokenizer, qwen25_config, resolve_device, resolve_model_dir, rotate_half,
+from model import (Transformer, load_tokenizer, qwen25_config, read_config, resolve_device, rotate_half,
                    stop_token_ids)
 
 try:
@@ -1279,9 +1279,9 @@ def chat(args):
     """Stream one sampled answer to --prompt through the checkpoint's chat template."""
     dev = resolve_device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    try:  # a missing model stops here, with what to do
-        resolve_model_dir(args.model)
-    except (FileNotFoundError, RuntimeError) as e:
+    try:  # a missing model, or one of an architecture this decoder lacks, stops here
+        read_config(args.model)
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
         raise SystemExit(f"rollout.py: {e}")
     tok = load_tokenizer(args.model)
     model = Transformer.from_pretrained(args.model, dtype=dtype, device=dev, quantize=args.quant == "nvfp4")

@@ -54,7 +54,7 @@ import lora
 import rollout
 import tasks
 from eval import evaluate, load_policy
-from model import resolve_device, resolve_model_dir, stop_token_ids
+from model import read_config, resolve_device, stop_token_ids
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -447,7 +447,7 @@ def main(argv=None):
     # The model's folder and the data first: either missing or malformed stops here, with what to do,
     # before minutes of loading (and before the run's folder exists).
     try:
-        model_dir = resolve_model_dir(args.model)
+        model_dir = read_config(args.model)[0]
         train_items = tasks.load_dataset(args.data, split="train" if not args.data.endswith(".jsonl") else "test")
         eval_items = tasks.load_dataset(args.eval_data, split="test", limit=args.eval_limit)
     except (FileNotFoundError, ValueError, RuntimeError) as e:

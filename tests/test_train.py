@@ -135,12 +135,15 @@ def test_help_shows_real_defaults_only(capsys):
 
 
 def test_unknown_model_or_bad_data_fails_clearly(tmp_path):
-    """A missing model, a malformed or empty jsonl: one message naming the problem (the file's line for
-    bad data), no traceback, and no run folder left behind."""
-    bad, empty = tmp_path / "bad.jsonl", tmp_path / "empty.jsonl"
+    """A missing model or one of another architecture, a malformed or empty jsonl: one message naming
+    the problem (the file's line for bad data), no traceback, and no run folder left behind."""
+    bad, empty, gpt2 = tmp_path / "bad.jsonl", tmp_path / "empty.jsonl", tmp_path / "gpt2"
     bad.write_text('{"question": "1+1", "answer": "2"}\n{"question": "2+2"\n')
     empty.write_text("\n")
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text('{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}')
     for argv, message in ((["--model", "no-such-model"], "not a hub id"),
+                          (["--model", str(gpt2)], "unsupported architecture model_type='gpt2'"),
                           (["--data", str(bad)], f"{bad}:2: invalid JSON"),
                           (["--data", str(empty)], "holds no problems")):
         with pytest.raises(SystemExit) as e:
