@@ -196,8 +196,10 @@ def main(argv=None):
     resolve_device(args.device)  # (stops with a message when cuda is asked for and absent)
     try:  # the model, the adapter and the data first: a missing or malformed one stops here, with what to do
         read_config(args.model)
-        if args.adapter and not os.path.isdir(args.adapter):
-            raise FileNotFoundError(f"no adapter folder at {args.adapter!r} (train.py writes one to RUN/adapter)")
+        if args.adapter:
+            import lora
+
+            lora.read_adapter(args.adapter)
         items = tasks.load_dataset(args.data, split=args.split, limit=args.limit, data_dir=args.data_dir)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         raise SystemExit(f"eval.py: {e}")

@@ -319,6 +319,9 @@ def test_merge_cli_matches_unmerged_model(hf_folder, tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "lora.py"), "--merge", "--model", folder, "--adapter",
                         adapter, "--out", str(dst), "--dtype", "float32"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "lora.py"), "--merge", "--model", folder, "--adapter",
+                        str(tmp_path / "none"), "--out", str(dst)], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 1 and r.stderr.strip() == f"lora.py: no adapter folder at {str(tmp_path / 'none')!r}"
     assert os.path.exists(dst / "tokenizer_config.json")
     merged = ours(str(dst))
     assert not lora.lora_modules(merged)

@@ -207,3 +207,6 @@ def test_cli(hf_folder, tmp_path, monkeypatch, capsys):
     assert os.path.exists(os.path.join(dst, "model.safetensors"))
     with pytest.raises(ValueError, match="already quantized"):
         nvfp4.save_quantized(dst, str(tmp_path / "again"), progress=False)
+    monkeypatch.setattr("sys.argv", ["nvfp4.py", "--model", str(tmp_path / "none"), "--out", dst])
+    with pytest.raises(SystemExit, match="nvfp4.py: no model folder at"):  # one line, no traceback
+        nvfp4.main()
