@@ -410,7 +410,7 @@ def main():
     try:  # the model and the adapter first: a missing or malformed one stops here, with what to do
         read_config(args.model)
         cfg, pairs = read_adapter(args.adapter)
-    except (FileNotFoundError, KeyError, ValueError, RuntimeError) as e:
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
         raise SystemExit(f"lora.py: {e}")
     print(f"merging {len(pairs)} LoRA modules (r={cfg['r']}, alpha={cfg['lora_alpha']}, "
           f"scaling={cfg['lora_alpha'] / cfg['r']:g}) into {args.model} → {args.out} ({args.dtype})")
