@@ -80,6 +80,18 @@ def poisoned(monkeypatch):
     monkeypatch.setattr(torch, "empty", empty)
 
 
+def assert_replays_in_a_graph(fn, x):
+    """fn(x) captured in a CUDA graph, x refilled, the graph replayed: its output equals fn on the new x.
+    Returns that output."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = fn(x)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(got, fn(x))
+    return got
+
+
 def rel_err(y, ref):
     return ((y.double().cpu() - ref).norm() / ref.norm()).item()
 
@@ -408,12 +420,7 @@ def test_gpu_wgmma_against_float64(dtype, poisoned):
         assert rel_err(y, ref) < (4e-3 if dtype == torch.bfloat16 else 1e-3), (M, K, N, rel_err(y, ref))
         assert torch.equal(fp4_gemm.triton_linear(x, *args, plan), y)
     assert fp4_gemm.plan_forward(24, 37888, 3584, torch.bfloat16, DEV)["kernel"] == "wgmma"
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = fp4_gemm.triton_linear(x, *args, plan)
-    x.copy_(torch.randn_like(x))
-    graph.replay()
-    assert torch.equal(got, fp4_gemm.triton_linear(x, *args, plan))
+    assert_replays_in_a_graph(lambda x: fp4_gemm.triton_linear(x, *args, plan), x)
 
 
 @hopper_gluon
@@ -450,12 +457,7 @@ def test_gpu_wgmma_ws_against_float64(dtype, poisoned):
     assert not fp4_gemm._tma_fits(packed, scale)
     got = fp4_gemm.triton_linear(x, packed, scale, wide.global_scale, None, plan)
     assert torch.equal(got, fp4_gemm.triton_linear(x, packed, scale, wide.global_scale, None, tiles))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = fp4_gemm.triton_linear(x, *args, plan)
-    x.copy_(torch.randn_like(x))
-    graph.replay()
-    assert torch.equal(got, fp4_gemm.triton_linear(x, *args, plan))
+    assert_replays_in_a_graph(lambda x: fp4_gemm.triton_linear(x, *args, plan), x)
 
 
 @gpu_only
@@ -464,12 +466,7 @@ def test_gpu_cuda_graph_and_compile():
     layer = fp4_gemm.QuantLinear.from_linear(torch.nn.Linear(512, 384, dtype=torch.bfloat16, device=DEV))
     x = torch.randn(4, 512, dtype=torch.bfloat16, device=DEV)
     want = layer(x)  # also compiles the kernel before capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = layer(x)
-    x.copy_(torch.randn_like(x))
-    graph.replay()
-    assert torch.equal(got, layer(x))
+    got = assert_replays_in_a_graph(layer, x)
     compiled = torch.compile(layer, fullgraph=True)
     assert torch.equal(compiled(x), layer(x))
     assert not torch.equal(want, got)  # the replay really recomputed from the new x
