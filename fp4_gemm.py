@@ -1350,8 +1350,8 @@ def plan_forward(M, N, K, dtype, device, mma=True):
 
 def _wgmma_rows_of_x(M, N, K):
     """Rows of x a wgmma program takes (the MMA's N): 16, 32 or 64, the smallest that holds M, at most 64;
-    128 above 64 rows for gate/up-like (wide) and down-like (long-K) layers, whose decode then repeats half
-    as often."""
+    128 above 128 rows, and above 64 rows for gate/up-like (wide) and down-like (long-K) layers, whose
+    decode then repeats half as often."""
     if M > 128 or (M > 64 and (N >= 16384 or K >= 8192)):
         return 128
     return 16 if M <= 16 else 32 if M <= 32 else 64
@@ -1576,10 +1576,10 @@ def _wgmma_linear(x2, packed, scale_u8, gs, bias, plan):
     return y
 
 
-def triton_linear(x2, packed, scale_u8, gs, bias, plan=None, side=None):
-    """y (M, N) = x2 (M, K) @ W^T (+ bias) on the Triton path; `plan` overrides plan_forward.
-    side: an optional small (SR, K) matrix in x2's dtype (rollout's LoRA A's); then returns (y, x2 @
-    side^T): with the mma kernel (M <= 8) both from one launch; else side_linear's."""
+def _runnable_plan(x2, packed, scale_u8, plan=None):
+    """The plan triton_linear runs for x2 @ W^T: `plan`, or plan_forward's, moved off what this memory
+    cannot feed (the mma and wgmma kernels read aligned 32-bit words; the warp-specialized variant's
+    TMA copies need 16-byte aligned rows, else the same tiles run without the producer warp)."""
     M, K = x2.shape
     N = packed.shape[0]
     plan = plan or plan_forward(M, N, K, x2.dtype, x2.device)
@@ -1588,9 +1588,25 @@ def triton_linear(x2, packed, scale_u8, gs, bias, plan=None, side=None):
         plan = plan_forward(M, N, K, x2.dtype, x2.device, mma=False)
     if "STAGES" in plan and plan["BLOCK_K"] != 256:
         raise ValueError(f"the warp-specialized wgmma kernel takes k-steps of 256, not {plan['BLOCK_K']}")
-    if "STAGES" in plan and not _tma_fits(packed, scale_u8):  # the same tiles without the producer warp
+    if "STAGES" in plan and not _tma_fits(packed, scale_u8):
         plan = {k: v for k, v in plan.items() if k not in ("STAGES", "NWG", "maxnreg")}
-    if side is not None and (plan["kernel"] != "mma" or not 0 < M <= 8):  # (the side programs cover one row tile)
+    return plan
+
+
+def _side_rides(plan, M):
+    """Whether a side product rides in this plan's launch: the mma kernel's side programs cover one row
+    tile (up to 8 rows)."""
+    return plan["kernel"] == "mma" and 0 < M <= 8
+
+
+def triton_linear(x2, packed, scale_u8, gs, bias, plan=None, side=None):
+    """y (M, N) = x2 (M, K) @ W^T (+ bias) on the Triton path; `plan` overrides plan_forward.
+    side: an optional small (SR, K) matrix in x2's dtype (rollout's LoRA A's); then returns (y, x2 @
+    side^T): with the mma kernel (M <= 8) both from one launch; else side_linear's."""
+    M, K = x2.shape
+    N = packed.shape[0]
+    plan = _runnable_plan(x2, packed, scale_u8, plan)
+    if side is not None and not _side_rides(plan, M):
         return triton_linear(x2, packed, scale_u8, gs, bias, plan), side_linear(x2, side)
     y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     if M == 0:
@@ -1743,11 +1759,8 @@ _fp4_linear_op.register_autograd(_backward, setup_context=_setup_context)
 def side_rides_along(x, q):
     """Whether fp4_linear_side(x, q, ...) computes its side product inside the GEMM's own launch (the mma
     kernel's plan: up to 8 rows on the GPU) rather than in a launch of its own."""
-    M, K = x.shape
-    if M > 8 or not x.is_cuda or not _use_triton(x):
-        return False
-    packed = q.packed
-    return (plan_forward(M, packed.shape[0], K, x.dtype, x.device)["kernel"] == "mma" and _mma_fits(x, packed))
+    return (x.is_cuda and _use_triton(x)
+            and _side_rides(_runnable_plan(x, q.packed, q.scale.view(torch.uint8)), x.shape[0]))
 
 
 def fp4_linear_side(x, q, bias, side):
