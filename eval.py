@@ -191,18 +191,16 @@ def load_policy(name, adapter=None, quant="nvfp4", device="cpu"):
 
 def main(argv=None):
     args = parse_args(argv)
-    from model import read_config, resolve_device
+    from model import read_config, resolve_device, stop_on_bad_input
 
     resolve_device(args.device)  # (stops with a message when cuda is asked for and absent)
-    try:  # the model, the adapter and the data first: a missing or malformed one stops here, with what to do
+    with stop_on_bad_input("eval.py"):  # the model, the adapter and the data first, before any loading
         read_config(args.model)
         if args.adapter:
             import lora
 
             lora.read_adapter(args.adapter)
         items = tasks.load_dataset(args.data, split=args.split, limit=args.limit, data_dir=args.data_dir)
-    except (FileNotFoundError, ValueError, RuntimeError) as e:
-        raise SystemExit(f"eval.py: {e}")
     data_name = _slug(args.data).removesuffix(".jsonl")
     max_new = args.max_new_tokens or DEFAULT_MAX_NEW_TOKENS.get(data_name, 2048)
     out = args.out or os.path.join("runs", "eval", f"{_slug(args.model)}-{data_name}")

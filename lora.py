@@ -53,7 +53,7 @@ from safetensors.torch import save_file
 
 import fp4_gemm
 import nvfp4
-from model import hf_key, read_config, resolve_model_dir
+from model import hf_key, read_config, resolve_model_dir, stop_on_bad_input
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CONFIG_NAME = "adapter_config.json"
@@ -407,11 +407,9 @@ def main():
     args = parser.parse_args()
     if not args.merge:
         parser.error("nothing to do: pass --merge")
-    try:  # the model and the adapter first: a missing or malformed one stops here, with what to do
+    with stop_on_bad_input("lora.py"):  # the model and the adapter first, before any writing
         read_config(args.model)
         cfg, pairs = read_adapter(args.adapter)
-    except (FileNotFoundError, ValueError, RuntimeError) as e:
-        raise SystemExit(f"lora.py: {e}")
     print(f"merging {len(pairs)} LoRA modules (r={cfg['r']}, alpha={cfg['lora_alpha']}, "
           f"scaling={cfg['lora_alpha'] / cfg['r']:g}) into {args.model} → {args.out} ({args.dtype})")
     merge(args.model, args.adapter, args.out, getattr(torch, args.dtype))

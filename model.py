@@ -29,6 +29,7 @@ The forward takes optional positions (B, T) and a KV cache: any object with
 `attend(layer, q, k, v) -> out` and `advance(T)` (KVCache below is the plain one; rollout.py has the
 fast one). Without them it is a plain causal forward over the whole sequence.
 """
+import contextlib
 import functools
 import json
 import os
@@ -380,6 +381,17 @@ def resolve_device(name=None):
         why = "this torch is a CPU build" if torch.version.cuda is None else "torch sees no CUDA device"
         raise SystemExit(f"--device {name}: {why}; run with --device cpu (or install torch with CUDA on a GPU machine)")
     return device
+
+
+@contextlib.contextmanager
+def stop_on_bad_input(prog):
+    """Around a CLI's first look at what the user named (model, adapter, data): a missing or malformed
+    one (FileNotFoundError, ValueError; RuntimeError for a failed download), whose message says what to
+    do, stops the program with that one line, `prog: message`, instead of a traceback."""
+    try:
+        yield
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        raise SystemExit(f"{prog}: {e}") from None
 
 
 def resolve_model_dir(name_or_path):

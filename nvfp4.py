@@ -254,12 +254,10 @@ def main():
     parser.add_argument("--model", required=True, help="local HF folder, alias (qwen2.5-7b, tiny) or hub id")
     parser.add_argument("--out", required=True, help="output folder (replaced if it exists)")
     args = parser.parse_args()
-    from model import read_config  # only the CLI needs the alias/hub resolver
+    from model import read_config, stop_on_bad_input  # only the CLI needs the alias/hub resolver
 
-    try:  # a missing model, or one of an architecture model.py lacks, stops here
+    with stop_on_bad_input("nvfp4.py"):  # a missing model, or one of an architecture model.py lacks
         src = read_config(args.model)[0]
-    except (FileNotFoundError, ValueError, RuntimeError) as e:
-        raise SystemExit(f"nvfp4.py: {e}")
     save_quantized(src, args.out)
     mb = sum(os.path.getsize(os.path.join(args.out, f)) for f in os.listdir(args.out)) / 2**20
     print(f"wrote {args.out} ({mb:.1f} MiB)")

@@ -130,7 +130,7 @@ import torch.nn.functional as F
 import fp4_gemm  # imported before triton: on a CPU-only machine it switches Triton's interpreter on
 import lora
 from model import (Transformer, load_tokenizer, qwen25_config, read_config, resolve_device, rotate_half,
-                   stop_token_ids)
+                   stop_on_bad_input, stop_token_ids)
 
 try:
     import triton
@@ -1279,10 +1279,8 @@ def chat(args):
     """Stream one sampled answer to --prompt through the checkpoint's chat template."""
     dev = resolve_device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    try:  # a missing model, or one of an architecture this decoder lacks, stops here
+    with stop_on_bad_input("rollout.py"):  # a missing model, or one of an architecture this decoder lacks
         read_config(args.model)
-    except (FileNotFoundError, ValueError, RuntimeError) as e:
-        raise SystemExit(f"rollout.py: {e}")
     tok = load_tokenizer(args.model)
     model = Transformer.from_pretrained(args.model, dtype=dtype, device=dev, quantize=args.quant == "nvfp4")
     ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True)

@@ -54,7 +54,7 @@ import lora
 import rollout
 import tasks
 from eval import evaluate, load_policy
-from model import read_config, resolve_device, stop_token_ids
+from model import read_config, resolve_device, stop_on_bad_input, stop_token_ids
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -446,12 +446,10 @@ def main(argv=None):
 
     # The model's folder and the data first: either missing or malformed stops here, with what to do,
     # before minutes of loading (and before the run's folder exists).
-    try:
+    with stop_on_bad_input("train.py"):
         model_dir = read_config(args.model)[0]
         train_items = tasks.load_dataset(args.data, split="train" if not args.data.endswith(".jsonl") else "test")
         eval_items = tasks.load_dataset(args.eval_data, split="test", limit=args.eval_limit)
-    except (FileNotFoundError, ValueError, RuntimeError) as e:
-        raise SystemExit(f"train.py: {e}")
     if not train_items:
         raise SystemExit(f"train.py: {args.data} holds no problems")
     os.makedirs(out, exist_ok=True)
