@@ -37,7 +37,7 @@ through a small warp-wide emulator of the instructions it uses (tests/test_fp4_g
 
 Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
 `python fp4_gemm.py --bench/--tune` on an H200 (results/fp4_gemm_h200.md has the measured table):
-- mma (M <= 8, decode; 16-bit x, K a multiple of 64): tensor cores for a GEMV, as Marlin does. The
+- mma (M = 1 on Hopper, M <= 8 elsewhere; 16-bit x, K a multiple of 64): tensor cores for a GEMV, as Marlin does. The
   weight is the MMA's left operand (16 rows x 16 k), x the right one (k x 8 tokens, zeros beyond M).
   mma.sync keeps its operands in registers spread over a warp in a fixed pattern, and which physical
   k a column stands for is free as long as both operands agree: so each lane loads 16-byte pieces of
@@ -52,7 +52,8 @@ Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
   tiles (the x a lane loads serves both). What bounds it (Nsight Compute, and the experiments in
   results/fp4_gemm_h200.md): at M = 1 a mix of memory latency with few warps in flight and a busy ALU
   pipe (~70%; a repacked layout with a quarter fewer ALU instructions did not change the time, nor did
-  prefetching), at M = 8 the L1 traffic of x (each lane reads 16-byte pieces of x 128 bytes apart;
+  prefetching; nor is it the row-strided layout: a kernel that only reads gate/up's codes 64 rows x
+  128-512 bytes a step, as the decode kernels do, took 16.4-18.6 us, 3.6-4.1 TB/s, session 13), at M = 8 the L1 traffic of x (each lane reads 16-byte pieces of x 128 bytes apart;
   a repacked layout, or lanes holding interleaved k, make those reads contiguous, but the first needs
   every other kernel to read it too and the second costs M = 1 a sixth: both measured and dropped).
   More rows of x per program (decoded weights reused by 2-8 groups of 8 tokens) lost to the tiled
@@ -60,13 +61,17 @@ Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
   wgmma kernel below shares it).
 - gemv (M = 1 with fp32 x): a program owns 8 weight rows and walks K in steps of 512 with 16-byte
   loads of packed codes, multiply-adding in fp32; optional split-K with a reduce kernel.
-- wgmma (9 <= M <= 256 on Hopper; Gluon, 16-bit x): the mma kernel's idea on Hopper's warpgroup MMA. A
+- wgmma (2 <= M <= 256 on Hopper; Gluon, 16-bit x): the mma kernel's idea on Hopper's warpgroup MMA. A
   warpgroup owns 64 weight rows and 16 to 128 rows of x; x sits in shared memory once per program (put
   in the K order that each lane decodes by a small Triton kernel first, `k_ordered`), the decoded
   weights are wgmma's left operand straight from registers (no shared-memory round trip), the next
   k-step's x copies (cp.async) and codes load while this one decodes, and inside a step the MMA of each
   64-k slice runs while the next slice decodes. At M = 16 2.45x / 2.20x cuBLAS for gate/up / down and
-  1.34x / 1.54x for q/k/v / o. At 16 rows Nsight Compute puts the block-wide barriers of each k-step
+  1.34x / 1.54x for q/k/v / o. From 2 rows it beats the mma kernel on the wide layers, whose 8-row tile
+  re-reads x from L1 (session 13): gate/up 32.4 against 34.2 us at 4 rows, 32.7 against 40.6 at 8; down
+  19.7 against 21+ at 4 and 19.9 against 25.6 at 8; q/k/v and o lose 0.7-0.8 us at 4 rows and tie at 8.
+  In the rollout (where the mma launch also carries the LoRA A products) batch 2 ties, batch 4 gains 5%
+  a step and batch 8 18% (3.43 -> 2.81 ms). At 16 rows Nsight Compute puts the block-wide barriers of each k-step
   first among the stalls, yet a third x buffer that removes one of them gained 0-4% there and lost up to
   14% at 64-128 rows; prefetching two k-steps ahead, two row tiles a warpgroup (x read half as often),
   two or four warpgroups a program, tiles of 256 rows of x, the codes through a cp.async ring in shared
@@ -77,8 +82,9 @@ Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
   It took down at 64 rows from 33.1 to 28.7 us, and at 128-256 rows it is 2-15% faster than the plain
   kernel (down at 256: 37% faster than dequant + cuBLAS). At M = 64 1.60x / 1.60x cuBLAS for gate/up /
   down and 0.92x / 0.89x for q/k/v / o; at M = 128 1.09x / 1.18x and 0.69x / 0.75x; at M = 256 0.81x /
-  0.85x and 0.66x / 0.73x. At 1-32 rows it ties or loses (the plain kernel's own prefetch keeps up; at
-  1-8 rows the mma kernel takes 7-26% less time).
+  0.85x and 0.66x / 0.73x. At 1-32 rows it ties or loses, also with 8-row tiles and 4-6 stages (the
+  plain kernel's own prefetch keeps up; at one row the mma kernel takes 7-26% less time, at 4-8 rows
+  the plain kernel 1-8%).
   Gluon has no interpreter: on CPU the tests run its PTX on the emulator and check the K order
   against it; on a Hopper GPU they check the kernel against float64.
 - tiled (2 <= M <= 128 where mma and wgmma do not serve: GPUs other than Hopper, or K not a multiple
@@ -94,8 +100,8 @@ Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
 - A side product riding along (rollout's LoRA A's, `fp4_linear_side`): extra programs of the mma
   launch compute x @ A^T for a small bf16 A, split over K with the same ticketed sum, so decode pays
   one launch a projection instead of two (`small_linear` is the same product as a launch of its own,
-  which serves every other kernel). rollout.py uses the mma launch's (up to 8 rows) and, above, cuBLAS
-  on a second stream beside the GEMM. (Until session 10 the side's programs also rode in the launch
+  which serves every other kernel). rollout.py uses the mma launch's where the plan runs mma (one row
+  on Hopper, up to 8 elsewhere) and otherwise cuBLAS on a second stream beside the GEMM. (Until session 10 the side's programs also rode in the launch
   that puts x in the wgmma kernel's K order; the second stream measured 8-10% faster a decode step at
   32 and 64 rows, and that variant was removed.)
 - dX backward (dY @ W): dequant + cuBLAS for M > 128 (0.82-0.97x at M = 4096), the tiled kernel
@@ -921,7 +927,7 @@ if HAS_TRITON:
             tl.store(y_ptr + toks.to(tl.int64) * stride_ym + rows, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-# ---- the wgmma kernel (9 to 128 rows of x, gate/up-like layers to 256; Hopper; written in Gluon) ----
+# ---- the wgmma kernel (2 to 256 rows of x; Hopper; written in Gluon) ----
 #
 # The mma kernel above keeps x in each warp's registers, so from 16 rows of x on every warp re-reads all
 # of it; the tiled kernel shares x through shared memory but Triton's tl.dot then makes the decoded
@@ -1282,8 +1288,8 @@ def plan_forward(M, N, K, dtype, device, mma=True):
         return dict(kernel="tiled", BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=4, SPLIT_K=1, num_warps=4,
                     num_stages=2)
     if kernel is None:
-        if M <= 8 and mma:
-            kernel = "mma"  # 1.7-2.5x cuBLAS at M = 1, 1.4-2.0x at M = 8
+        if mma and (M == 1 or (M <= 8 and not wgmma)):
+            kernel = "mma"  # 1.7-2.5x cuBLAS at M = 1, 1.4-2.0x at M = 8; on Hopper wgmma is faster from 2 rows
         elif M == 1:
             kernel = "gemv"  # 1.2-1.8x
         elif wgmma and M <= 256:
@@ -1569,7 +1575,7 @@ def _wgmma_linear(x2, packed, scale_u8, gs, bias, plan):
                                                                                    element_bitwidth=8, rank=2))
     # Registers: `regs` a thread for every warpgroup of the program (the producer's counts as one); the
     # partitions then trade them (setmaxnreg): the producer keeps 24, the consumers share the rest evenly.
-    regs = plan.get("maxnreg", 128 if nwg == 1 else 168)
+    regs = 128 if nwg == 1 else 168
     _wgmma_ws_kernel[grid](x_desc, w_desc, s_desc, gs, bias, y, part, _locks(x2.device, grid[0] * nwg * grid[1]), M,
                            N, steps, y.stride(0), split_steps, BT=bt, STAGES=plan["STAGES"], NWG=nwg,
                            CONSUMER_REGS=((nwg + 1) * regs - 24) // nwg // 8 * 8, maxnreg=regs, **flags)
@@ -1589,7 +1595,7 @@ def _runnable_plan(x2, packed, scale_u8, plan=None):
     if "STAGES" in plan and plan["BLOCK_K"] != 256:
         raise ValueError(f"the warp-specialized wgmma kernel takes k-steps of 256, not {plan['BLOCK_K']}")
     if "STAGES" in plan and not _tma_fits(packed, scale_u8):
-        plan = {k: v for k, v in plan.items() if k not in ("STAGES", "NWG", "maxnreg")}
+        plan = {k: v for k, v in plan.items() if k not in ("STAGES", "NWG")}
     return plan
 
 
@@ -1758,14 +1764,14 @@ _fp4_linear_op.register_autograd(_backward, setup_context=_setup_context)
 
 def side_rides_along(x, q):
     """Whether fp4_linear_side(x, q, ...) computes its side product inside the GEMM's own launch (the mma
-    kernel's plan: up to 8 rows on the GPU) rather than in a launch of its own."""
+    kernel's plan: one row on a Hopper GPU, up to 8 on others) rather than in a launch of its own."""
     return (x.is_cuda and _use_triton(x)
             and _side_rides(_runnable_plan(x, q.packed, q.scale.view(torch.uint8)), x.shape[0]))
 
 
 def fp4_linear_side(x, q, bias, side):
     """Decode's (x @ dequantize(q).T + bias, x @ side.T) for 2-D x and a small dense side (SR, K) in x's
-    dtype (rollout: a group's LoRA A's). With the mma kernel (M <= 8 rows on the GPU) both come from one
+    dtype (rollout: a group's LoRA A's). With the mma kernel (up to 8 rows) both come from one
     launch, the side's programs after the weight's: on the Qwen2.5-7B shapes the launch takes 0.4-3 us
     longer than the GEMM alone, where a launch of small_linear of its own took 4.2-8.2 us (H200,
     results/rollout_h200.md). Other kernels: the GEMM, then small_linear (or cuBLAS) for the side;
@@ -1972,24 +1978,21 @@ def _candidates(M, N, K, direction):
             for split in (1, 2, 4):
                 if split == 1 or triton.cdiv(N, bn) * split <= 1800:
                     c.append(dict(kernel="gemv", BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=w, num_stages=1))
-    if 8 < M <= 256:
+    if 1 < M <= 256:
         for bt in [_wgmma_rows_of_x(min(M, 64), N, K)] + ([128] if M > 64 else []):
             for bk in (128, 256):
                 if K % bk == 0:
                     for split in (1, 2, 4, 8, 16):
                         c.append(dict(kernel="wgmma", BT=bt, BLOCK_K=bk, SPLIT_K=split))
-    # the warp-specialized wgmma: rings of 2 or 4 stages (deeper for 8 rows of x, which can also take
-    # fewer registers for more programs an SM), one or two consumer warpgroups
-    if K % 256 == 0 and M <= 256:
-        for bt in ([8] if M <= 8 else [_wgmma_rows_of_x(min(M, 64), N, K)] + ([128] if M > 64 else [])):
+    # the warp-specialized wgmma: rings of 2 or 4 stages, one or two consumer warpgroups (at 1-8 rows, 8-row
+    # tiles with rings of 4 or 6 stages lost to the mma kernel and to the plain wgmma kernel: session 13)
+    if K % 256 == 0 and 8 < M <= 256:
+        for bt in [_wgmma_rows_of_x(min(M, 64), N, K)] + ([128] if M > 64 else []):
             for nwg in (1, 2):
-                for stages in ((4, 6) if nwg == 1 else (4,)) if bt == 8 else (2, 4):
-                    if stages * (nwg * 9216 + bt * 512) > 220 * 1024:
-                        continue
-                    for split in (1, 2, 4, 8) + ((16,) if K >= 8192 else ()):
-                        for regs in (80, 128) if bt == 8 and nwg == 1 else (None,):
-                            p = dict(kernel="wgmma", BT=bt, BLOCK_K=256, SPLIT_K=split, STAGES=stages, NWG=nwg)
-                            c.append(p if regs is None else dict(p, maxnreg=regs))
+                for stages in (2, 4):
+                    if stages * (nwg * 9216 + bt * 512) <= 220 * 1024:
+                        for split in (1, 2, 4, 8) + ((16,) if K >= 8192 else ()):
+                            c.append(dict(kernel="wgmma", BT=bt, BLOCK_K=256, SPLIT_K=split, STAGES=stages, NWG=nwg))
     if 16 < M <= 64:
         for bm in (32, 64) if M <= 32 else (64,):
             for bn in (32, 64, 128):

@@ -31,7 +31,7 @@ has finished). The step per layer, with the launches it costs:
     h       = add_rmsnorm(x, delta, w1)              1   residual add + RMSNorm (Triton)
     qkv, a  = fused q|k|v GEMM (+ bias),             1   QuantLinear.concat, or one cat'ed bf16 weight;
               a = h @ [A_q; A_k; A_v]^T             (+1)  the three LoRA A's side by side: in the GEMM's
-                                                         launch (NVFP4, up to 8 rows), else beside it
+                                                         launch (NVFP4 on mma), else beside it
     q, k, v = rope_write(qkv + a·B^T)                1   LoRA B, rotary embedding, K/V into the cache
     o       = attention(q, cache) (split + combine)  2
     delta   = o_proj(o) + (o @ A_o^T) @ B_o^T      2 (+1) base GEMM with LoRA A, then LoRA B added in
@@ -41,11 +41,12 @@ has finished). The step per layer, with the launches it costs:
     act     = silu_mul(gu + a·B^T)                   1   LoRA B, SiLU, product
     delta   = down(act) + LoRA                     2 (+1)
 
-so 12 launches a layer for an NVFP4 base at up to 8 rows (342 a step for Qwen2.5-7B), where each
-GEMM's launch also computes its LoRA A product (fp4_gemm.fp4_linear_side). The (+1)s: everywhere else
-(a bf16 base; NVFP4 from 9 rows) the LoRA A products are cuBLAS launches on a second stream, which
-runs them while the GEMM runs and rejoins before the LoRA B kernel reads them; so 16 launches a layer,
-4 of them beside the GEMMs, and 4 more for NVFP4 from 9 rows on a Hopper GPU, where each of
+so 12 launches a layer for an NVFP4 base where fp4_gemm's plan runs its mma kernel (one row on a
+Hopper GPU, up to 8 elsewhere; 342 a step for Qwen2.5-7B), whose launch also computes the GEMM's LoRA
+A product (fp4_gemm.fp4_linear_side). The (+1)s: everywhere else (a bf16 base; NVFP4 on the other
+kernels) the LoRA A products are cuBLAS launches on a second stream, which runs them while the GEMM
+runs and rejoins before the LoRA B kernel reads them; so 16 launches a layer, 4 of them beside the
+GEMMs, and 4 more for NVFP4 from 2 rows on a Hopper GPU, where each of
 fp4_gemm's wgmma GEMMs first puts x in its K order in a launch of its own (fp4_gemm.k_ordered). Off
 the critical path the products cost nearly nothing: in same-run comparisons the second stream took
 8-10% off the step at batch 32 and 64 for NVFP4 (against its earlier way of riding them in the
@@ -797,7 +798,7 @@ class Decoder:
 
     def gemm(self, grp, x):
         """A group's base GEMM and a = x @ A^T (M, sections·R) of its adapters (None without LoRA). An
-        NVFP4 group whose GEMM can carry it (the mma kernel, up to 8 rows: fp4_gemm.side_rides_along)
+        NVFP4 group whose GEMM can carry it (the mma kernel: fp4_gemm.side_rides_along)
         computes a in the GEMM's own launch (fp4_gemm.fp4_linear_side).
         Otherwise, on the GPU, cuBLAS computes a on a second stream while the GEMM runs, and the stream
         rejoins before a is read."""

@@ -428,21 +428,21 @@ def test_gpu_wgmma_against_float64(dtype, poisoned):
 def test_gpu_wgmma_ws_against_float64(dtype, poisoned):
     """The warp-specialized wgmma kernel (a producer warp filling a ring by TMA; STAGES in the plan)
     against float64: 8-row tiles from one row of x, rings shallower and deeper than the k-steps, uneven
-    split-K, two consumer warpgroups with rows past N, bias, per-row global scales, few registers; equal
+    split-K, two consumer warpgroups with rows past N, bias, per-row global scales; equal
     bit for bit to the kernel without the producer on the same tiles (same slices, same order), and
     deterministic, with the counters back at zero; codes that TMA cannot read fall back to that kernel;
     replayed inside a CUDA graph."""
-    for M, K, N, bt, split, stages, nwg, regs, bias, per_row in (
-            (1, 512, 200, 8, 1, 4, 1, 80, True, True), (5, 2304, 72, 8, 4, 2, 1, 128, False, True),
-            (8, 1536, 136, 8, 2, 6, 2, None, True, False), (9, 256, 40, 16, 1, 4, 1, None, True, True),
-            (17, 2816, 264, 32, 5, 2, 1, None, False, True), (64, 1536, 200, 64, 4, 4, 2, None, True, False),
-            (100, 2048, 520, 128, 2, 2, 1, None, True, True), (130, 3584, 72, 64, 8, 2, 2, None, False, False)):
+    for M, K, N, bt, split, stages, nwg, bias, per_row in (
+            (1, 512, 200, 8, 1, 4, 1, True, True), (5, 2304, 72, 8, 4, 2, 1, False, True),
+            (8, 1536, 136, 8, 2, 6, 2, True, False), (9, 256, 40, 16, 1, 4, 1, True, True),
+            (17, 2816, 264, 32, 5, 2, 1, False, True), (64, 1536, 200, 64, 4, 4, 2, True, False),
+            (100, 2048, 520, 128, 2, 2, 1, True, True), (130, 3584, 72, 64, 8, 2, 2, False, False)):
         q = make_q(N, K, per_row, seed=M + K)
         x = torch.randn(M, K, dtype=dtype, device=DEV)
         b = torch.randn(N, dtype=dtype, device=DEV) if bias else None
         args = (q.packed, q.scale.view(torch.uint8), q.global_scale, b)
         tiles = dict(kernel="wgmma", BT=bt, BLOCK_K=256, SPLIT_K=split)
-        plan = dict(tiles, STAGES=stages, NWG=nwg, **({"maxnreg": regs} if regs else {}))
+        plan = dict(tiles, STAGES=stages, NWG=nwg)
         y = fp4_gemm.triton_linear(x, *args, plan)
         ref = x.double().cpu() @ ref_weight(q.packed, q.scale, q.global_scale).t() + (b.double().cpu() if bias else 0)
         assert torch.isfinite(y).all(), (M, K, N)
@@ -475,19 +475,19 @@ def test_gpu_cuda_graph_and_compile():
 def test_hopper_plans_are_configs_the_sweep_tries(monkeypatch):
     """plan_forward's table on an H200 only ever picks configs that `--tune` times (so each was measured
     and is checked by the GPU tests' kernels), for the Qwen2.5 7B, 14B and 32B layer shapes: the
-    warp-specialized wgmma kernel from 33 to 256 rows, with k-steps of 256; mma and gemv below 9 rows;
-    dequant + cuBLAS above 256."""
+    mma at one row, the plain wgmma kernel from 2 to 32 rows, the warp-specialized one from 33 to 256,
+    with k-steps of 256; dequant + cuBLAS above 256."""
     monkeypatch.setattr(fp4_gemm, "_is_hopper", lambda device: True)
     monkeypatch.setattr(fp4_gemm, "HAS_GLUON", True)
     cuda = torch.device("cuda")  # plan_forward's GPU table; nothing runs on a GPU here
     shapes = [(3584, 4608), (3584, 3584), (3584, 37888), (18944, 3584),  # 7B: K, N of q/k/v, o, gate/up, down
               (5120, 7168), (5120, 5120), (5120, 27648), (13824, 5120),  # 14B
               (5120, 7168), (5120, 5120), (5120, 55296), (27648, 5120)]  # 32B
-    for M in (1, 4, 8, 9, 16, 32, 33, 64, 100, 128, 200, 256, 257, 1024, 4096):
+    for M in (1, 2, 4, 8, 9, 16, 32, 33, 64, 100, 128, 200, 256, 257, 1024, 4096):
         for K, N in shapes:
             plan = fp4_gemm.plan_forward(M, N, K, torch.bfloat16, cuda)
             assert plan in fp4_gemm._candidates(M, N, K, "fwd"), (M, N, K, plan)
-            want = "mma" if M <= 8 else "wgmma" if M <= 256 else "dequant"
+            want = "mma" if M == 1 else "wgmma" if M <= 256 else "dequant"
             assert plan["kernel"] == want, (M, N, K, plan)
             assert ("STAGES" in plan) == (32 < M <= 256), (M, N, K, plan)
             assert "STAGES" not in plan or plan["BLOCK_K"] == 256
