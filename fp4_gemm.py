@@ -37,9 +37,9 @@ through a small warp-wide emulator of the instructions it uses (tests/test_fp4_g
 
 Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
 `python fp4_gemm.py --bench/--tune` on an H200 (results/fp4_gemm_h200.md has the measured table):
-- mma (M = 1 on Hopper, M <= 8 elsewhere; 16-bit x, K a multiple of 64): tensor cores for a GEMV, as Marlin does. The
-  weight is the MMA's left operand (16 rows x 16 k), x the right one (k x 8 tokens, zeros beyond M).
-  mma.sync keeps its operands in registers spread over a warp in a fixed pattern, and which physical
+- mma (M = 1 on Hopper, M <= 8 elsewhere; 16-bit x, K a multiple of 64): tensor cores for a GEMV, as
+  Marlin does. The weight is the MMA's left operand (16 rows x 16 k), x the right one (k x 8 tokens,
+  zeros beyond M). mma.sync keeps its operands in registers spread over a warp in a fixed pattern, and which physical
   k a column stands for is free as long as both operands agree: so each lane loads 16-byte pieces of
   its own two weight rows, decodes them in one PTX block (bit moves + one bf16x2/f16x2 multiply by
   the block scale: exact e2m1 * s * 2^-8) and feeds them to mma.sync together with x loaded at the
@@ -53,9 +53,10 @@ Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
   results/fp4_gemm_h200.md): at M = 1 a mix of memory latency with few warps in flight and a busy ALU
   pipe (~70%; a repacked layout with a quarter fewer ALU instructions did not change the time, nor did
   prefetching; nor is it the row-strided layout: a kernel that only reads gate/up's codes 64 rows x
-  128-512 bytes a step, as the decode kernels do, took 16.4-18.6 us, 3.6-4.1 TB/s, session 13), at M = 8 the L1 traffic of x (each lane reads 16-byte pieces of x 128 bytes apart;
-  a repacked layout, or lanes holding interleaved k, make those reads contiguous, but the first needs
-  every other kernel to read it too and the second costs M = 1 a sixth: both measured and dropped).
+  128-512 bytes a step, as the decode kernels do, took 16.4-20.6 us, 3.3-4.1 TB/s, session 13), at
+  M = 8 the L1 traffic of x (each lane reads 16-byte pieces of x 128 bytes apart; a repacked layout,
+  or lanes holding interleaved k, make those reads contiguous, but the first needs every other kernel
+  to read it too and the second costs M = 1 a sixth: both measured and dropped).
   More rows of x per program (decoded weights reused by 2-8 groups of 8 tokens) lost to the tiled
   kernel from 32 rows on: every warp reads all of x itself, with no shared memory to share it (the
   wgmma kernel below shares it).
@@ -68,8 +69,9 @@ Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
   k-step's x copies (cp.async) and codes load while this one decodes, and inside a step the MMA of each
   64-k slice runs while the next slice decodes. At M = 16 2.45x / 2.20x cuBLAS for gate/up / down and
   1.34x / 1.54x for q/k/v / o. From 2 rows it beats the mma kernel on the wide layers, whose 8-row tile
-  re-reads x from L1 (session 13): gate/up 32.4 against 34.2 us at 4 rows, 32.7 against 40.6 at 8; down
-  19.7 against 21+ at 4 and 19.9 against 25.6 at 8; q/k/v and o lose 0.7-0.8 us at 4 rows and tie at 8.
+  re-reads x from L1 (session 13): gate/up 32.4 against 34.2 us at 4 rows, 32.7 against 40.2 at 8; down
+  19.7 against 21.0 at 4 and 19.9 against 25.7 at 8; q/k/v and o lose 0.7-0.8 us at 4 rows and win
+  0.2-0.8 at 8.
   In the rollout (where the mma launch also carries the LoRA A products) batch 2 ties, batch 4 gains 5%
   a step and batch 8 18% (3.43 -> 2.81 ms). At 16 rows Nsight Compute puts the block-wide barriers of each k-step
   first among the stalls, yet a third x buffer that removes one of them gained 0-4% there and lost up to

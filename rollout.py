@@ -90,9 +90,9 @@ On the CPU (tests) the same step runs eagerly with torch ops in place of the Tri
 fused op below has its torch reference next to its kernel, and the tests run both (the kernels
 through Triton's interpreter).
 
-Measured (H200, Qwen2.5-7B shape, NVFP4 + LoRA r32 + AQN, results/rollout_h200.md, session 12): batch
-1 runs at 2.61 ms a step against a 1.16 ms floor, batch 8 at 3.43, batch 16 at 2.97, batch 64 at 4.55.
-In the profile, batch 1's 2.66 ms of kernel time were fp4_gemm's GEMMs with the LoRA-A products
+Measured (H200, Qwen2.5-7B shape, NVFP4 + LoRA r32 + AQN, results/rollout_h200.md, session 13): batch
+1 runs at 2.61 ms a step against a 1.16 ms floor, batch 8 at 2.82, batch 16 at 2.95, batch 64 at 4.44.
+In session 12's profile, batch 1's 2.66 ms of kernel time were fp4_gemm's GEMMs with the LoRA-A products
 riding in them 1.81 (3.67 GB at 2.0 TB/s, the tensor-core `mma` kernel), cuBLAS's lm_head 0.26, and
 this file's kernels 0.59 (attention 0.14, add_rmsnorm 0.13, LoRA B 0.12, silu_mul 0.10, rope_write
 0.10); the 342 graphed launches leave no gaps (with programmatic dependent launch they even overlap a
@@ -102,7 +102,8 @@ launch overhead; session 1's measurement). The LoRA-A products as launches of th
 (128 new tokens, 4.37 ms a step) the kernels add up to 5.13 ms, the second stream overlapping part of
 it: the wgmma GEMMs 2.76 (3.67 GB at ~1.3 TB/s), cuBLAS 1.01 (lm_head and the LoRA-A products on the
 second stream, with their split-K reduces), attention 0.60, the K-order launches 0.17, this file's
-other kernels 0.59. What remains, in order: the fp4 GEMMs at ~2 TB/s instead of ~4 at batch 1 (a busy
+other kernels 0.59 (since then the attention's split over the cache took ~0.1 ms off: `_State`).
+What remains, in order: the fp4 GEMMs at ~2 TB/s instead of ~4 at batch 1 (a busy
 ALU pipe and memory latency, see fp4_gemm.py), and at ~1.3 TB/s at batch 64.
 
 Departures. vLLM (which the official QeRL code uses) pages its KV cache and batches continuously;
@@ -627,8 +628,11 @@ class _State:
         self.stops = torch.full((16,), -1, **i64)
         pos = torch.arange(S, device=dev)[:, None].float() * dec.model.inv_freq[None]  # (S, D/2), as rope_cos_sin
         self.cos, self.sin = pos.cos().to(dt), pos.sin().to(dt)
-        # attention split: about 4 programs per SM, chunks a multiple of 64 columns
-        self.attn_chunk = 64 * math.ceil(S / max(1, math.ceil(4 * dec.sms / (N * Hkv))) / 64)
+        # attention split: about 2 programs per SM, chunks a multiple of 64 columns (against 4 an SM, 513
+        # columns present, us a layer: 25.0-25.4 against 29.3-29.5 at 64 rows, 7.8-8.5 against 8.5 at 8,
+        # within 0.4 at 1 and 16; 2 stages, 8 warps and 128-column blocks did not pay: session 13,
+        # results/rollout_h200.md)
+        self.attn_chunk = 64 * math.ceil(S / max(1, math.ceil(2 * dec.sms / (N * Hkv))) / 64)
         self.attn_split = math.ceil(S / self.attn_chunk)
         rows = N * cfg.num_heads
         self.attn_m = torch.zeros(rows, self.attn_split, dtype=torch.float32, device=dev)
