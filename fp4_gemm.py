@@ -39,27 +39,26 @@ Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
 `python fp4_gemm.py --bench/--tune` on an H200 (results/fp4_gemm_h200.md has the measured table):
 - mma (M = 1 on Hopper, M <= 8 elsewhere; 16-bit x, K a multiple of 64): tensor cores for a GEMV, as
   Marlin does. The weight is the MMA's left operand (16 rows x 16 k), x the right one (k x 8 tokens,
-  zeros beyond M). mma.sync keeps its operands in registers spread over a warp in a fixed pattern, and which physical
-  k a column stands for is free as long as both operands agree: so each lane loads 16-byte pieces of
-  its own two weight rows, decodes them in one PTX block (bit moves + one bf16x2/f16x2 multiply by
-  the block scale: exact e2m1 * s * 2^-8) and feeds them to mma.sync together with x loaded at the
-  same k, with no data crossing lanes and fp32 accumulation. Triton lays a (lane, tile, 4 words)
-  load out one lane per index, which is what makes this expressible; the interpreter runs a
-  plain-Triton model of the PTX block (the exchange between lanes written as reshapes), and a GPU
-  test checks the two agree. Split-K programs leave fp32 partials and the last one to finish a
-  tile (an atomic ticket) sums them in order: deterministic, and no second launch. 1.7-2.5x cuBLAS
-  bf16 at M = 1 (gate/up 2.39 TB/s), 1.4-2.0x at M = 8, where the wide layers give each warp two row
-  tiles (the x a lane loads serves both). What bounds it (Nsight Compute, and the experiments in
-  results/fp4_gemm_h200.md): at M = 1 a mix of memory latency with few warps in flight and a busy ALU
-  pipe (~70%; a repacked layout with a quarter fewer ALU instructions did not change the time, nor did
-  prefetching; nor is it the row-strided layout: a kernel that only reads gate/up's codes 64 rows x
-  128-512 bytes a step, as the decode kernels do, took 16.4-20.6 us, 3.3-4.1 TB/s, session 13), at
-  M = 8 the L1 traffic of x (each lane reads 16-byte pieces of x 128 bytes apart; a repacked layout,
-  or lanes holding interleaved k, make those reads contiguous, but the first needs every other kernel
-  to read it too and the second costs M = 1 a sixth: both measured and dropped).
-  More rows of x per program (decoded weights reused by 2-8 groups of 8 tokens) lost to the tiled
-  kernel from 32 rows on: every warp reads all of x itself, with no shared memory to share it (the
-  wgmma kernel below shares it).
+  zeros beyond M). mma.sync keeps its operands in registers spread over a warp in a fixed pattern, and
+  which physical k a column stands for is free as long as both operands agree: so each lane loads
+  16-byte pieces of its own two weight rows, decodes them in one PTX block (bit moves + one bf16x2/f16x2
+  multiply by the block scale: exact e2m1 * s * 2^-8) and feeds them to mma.sync together with x loaded
+  at the same k, with no data crossing lanes and fp32 accumulation. Triton lays a (lane, tile, 4 words)
+  load out one lane per index, which is what makes this expressible; the interpreter runs a plain-Triton
+  model of the PTX block (the exchange between lanes written as reshapes), and a GPU test checks the two
+  agree. Split-K programs leave fp32 partials and the last one to finish a tile (an atomic ticket) sums
+  them in order: deterministic, and no second launch. 1.7-2.5x cuBLAS bf16 at M = 1 (gate/up 2.39 TB/s),
+  1.4-2.0x at M = 8, where the wide layers give each warp two row tiles (the x a lane loads serves
+  both). What bounds it (Nsight Compute, and the experiments in results/fp4_gemm_h200.md): at M = 1 a
+  mix of memory latency with few warps in flight and a busy ALU pipe (~70%; a repacked layout with a
+  quarter fewer ALU instructions did not change the time, nor did prefetching; nor is it the row-strided
+  layout: a kernel that only reads gate/up's codes 64 rows x 128-512 bytes a step, as the decode kernels
+  do, took 16.4-20.6 us, 3.3-4.1 TB/s, session 13), at M = 8 the L1 traffic of x (each lane reads
+  16-byte pieces of x 128 bytes apart; a repacked layout, or lanes holding interleaved k, make those
+  reads contiguous, but the first needs every other kernel to read it too and the second costs M = 1 a
+  sixth: both measured and dropped). More rows of x per program (decoded weights reused by 2-8 groups of
+  8 tokens) lost to the tiled kernel from 32 rows on: every warp reads all of x itself, with no shared
+  memory to share it (the wgmma kernel below shares it).
 - gemv (M = 1 with fp32 x): a program owns 8 weight rows and walks K in steps of 512 with 16-byte
   loads of packed codes, multiply-adding in fp32; optional split-K with a reduce kernel.
 - wgmma (2 <= M <= 256 on Hopper; Gluon, 16-bit x): the mma kernel's idea on Hopper's warpgroup MMA. A
@@ -71,22 +70,21 @@ Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
   1.34x / 1.54x for q/k/v / o. From 2 rows it beats the mma kernel on the wide layers, whose 8-row tile
   re-reads x from L1 (session 13): gate/up 32.4 against 34.2 us at 4 rows, 32.7 against 40.2 at 8; down
   19.7 against 21.0 at 4 and 19.9 against 25.7 at 8; q/k/v and o lose 0.7-0.8 us at 4 rows and win
-  0.2-0.8 at 8.
-  In the rollout (where the mma launch also carries the LoRA A products) batch 2 ties, batch 4 gains 5%
-  a step and batch 8 18% (3.43 -> 2.81 ms). At 16 rows Nsight Compute puts the block-wide barriers of each k-step
-  first among the stalls, yet a third x buffer that removes one of them gained 0-4% there and lost up to
-  14% at 64-128 rows; prefetching two k-steps ahead, two row tiles a warpgroup (x read half as often),
-  two or four warpgroups a program, tiles of 256 rows of x, the codes through a cp.async ring in shared
-  memory and the loop unrolled by two all measured slower or no faster (results/fp4_gemm_h200.md). At 64
-  rows its three bounds (tensor cores, issue slots, DRAM) are each ~18 us for gate/up and it took ~51:
-  they overlap poorly within a warpgroup. So from 33 rows a warp-specialized variant runs: one producer
-  warp fills a 2-deep ring of shared-memory stages by TMA and the warpgroups only decode and multiply.
-  It took down at 64 rows from 33.1 to 28.7 us, and at 128-256 rows it is 2-15% faster than the plain
-  kernel (down at 256: 37% faster than dequant + cuBLAS). At M = 64 1.60x / 1.60x cuBLAS for gate/up /
-  down and 0.92x / 0.89x for q/k/v / o; at M = 128 1.09x / 1.18x and 0.69x / 0.75x; at M = 256 0.81x /
-  0.85x and 0.66x / 0.73x. At 1-32 rows it ties or loses, also with 8-row tiles and 4-6 stages (the
-  plain kernel's own prefetch keeps up; at one row the mma kernel takes 7-26% less time, at 4-8 rows
-  the plain kernel 1-8%).
+  0.2-0.8 at 8. In the rollout (where the mma launch also carries the LoRA A products) batch 2 ties,
+  batch 4 gains 5% a step and batch 8 18% (3.43 -> 2.82 ms). At 16 rows Nsight Compute puts the
+  block-wide barriers of each k-step first among the stalls, yet a third x buffer that removes one of
+  them gained 0-4% there and lost up to 14% at 64-128 rows; prefetching two k-steps ahead, two row tiles
+  a warpgroup (x read half as often), two or four warpgroups a program, tiles of 256 rows of x, the
+  codes through a cp.async ring in shared memory and the loop unrolled by two all measured slower or no
+  faster (results/fp4_gemm_h200.md). At 64 rows its three bounds (tensor cores, issue slots, DRAM) are
+  each ~18 us for gate/up and it took ~51: they overlap poorly within a warpgroup. So from 33 rows a
+  warp-specialized variant runs: one producer warp fills a 2-deep ring of shared-memory stages by TMA
+  and the warpgroups only decode and multiply. It took down at 64 rows from 33.1 to 28.7 us, and at
+  128-256 rows it is 2-15% faster than the plain kernel (down at 256: 37% faster than dequant + cuBLAS).
+  At M = 64 1.60x / 1.60x cuBLAS for gate/up / down and 0.92x / 0.89x for q/k/v / o; at M = 128 1.09x /
+  1.18x and 0.69x / 0.75x; at M = 256 0.81x / 0.85x and 0.66x / 0.73x. At 1-32 rows it ties or loses,
+  also with 8-row tiles and 4-6 stages (the plain kernel's own prefetch keeps up; at one row the mma
+  kernel takes 7-26% less time, at 4-8 rows the plain kernel 1-8%).
   Gluon has no interpreter: on CPU the tests run its PTX on the emulator and check the K order
   against it; on a Hopper GPU they check the kernel against float64.
 - tiled (2 <= M <= 128 where mma and wgmma do not serve: GPUs other than Hopper, or K not a multiple
@@ -99,13 +97,13 @@ Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
   and cuBLAS multiplies; the copy dies right after. 0.73-0.81x cuBLAS at M = 1024, 0.75-0.95x at M =
   4096 (the spread of four runs): the cost is writing and re-reading the bf16 weight (~100 us for
   gate/up).
-- A side product riding along (rollout's LoRA A's, `fp4_linear_side`): extra programs of the mma
-  launch compute x @ A^T for a small bf16 A, split over K with the same ticketed sum, so decode pays
-  one launch a projection instead of two (`small_linear` is the same product as a launch of its own,
-  which serves every other kernel). rollout.py uses the mma launch's where the plan runs mma (one row
-  on Hopper, up to 8 elsewhere) and otherwise cuBLAS on a second stream beside the GEMM. (Until session 10 the side's programs also rode in the launch
-  that puts x in the wgmma kernel's K order; the second stream measured 8-10% faster a decode step at
-  32 and 64 rows, and that variant was removed.)
+- A side product riding along (rollout's LoRA A's, `fp4_linear_side`): extra programs of the mma launch
+  compute x @ A^T for a small bf16 A, split over K with the same ticketed sum, so decode pays one launch
+  a projection instead of two (`small_linear` is the same product as a launch of its own, which serves
+  every other kernel). rollout.py uses the mma launch's where the plan runs mma (one row on Hopper, up
+  to 8 elsewhere) and otherwise cuBLAS on a second stream beside the GEMM. (Until session 10 the side's
+  programs also rode in the launch that puts x in the wgmma kernel's K order; the second stream measured
+  8-10% faster a decode step at 32 and 64 rows, and that variant was removed.)
 - dX backward (dY @ W): dequant + cuBLAS for M > 128 (0.82-0.97x at M = 4096), the tiled kernel
   transposed (same tile decoder) below. Either way at most one layer's dequantized weight is alive,
   never a bf16 copy of the model.
