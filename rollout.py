@@ -92,19 +92,19 @@ through Triton's interpreter).
 
 Measured (H200, Qwen2.5-7B shape, NVFP4 + LoRA r32 + AQN, results/rollout_h200.md, session 13): batch 1
 runs at 2.61 ms a step against a 1.16 ms floor, batch 8 at 2.82, batch 16 at 2.95, batch 64 at 4.44. In
-session 12's profile, batch 1's 2.66 ms of kernel time were fp4_gemm's GEMMs with the LoRA-A products
-riding in them 1.81 (3.67 GB at 2.0 TB/s, the tensor-core `mma` kernel), cuBLAS's lm_head 0.26, and this
-file's kernels 0.59 (attention 0.14, add_rmsnorm 0.13, LoRA B 0.12, silu_mul 0.10, rope_write 0.10); the
-342 graphed launches leave no gaps (with programmatic dependent launch they even overlap a little: 2.66
-ms of kernel time in a 2.61 ms step). Without the graph a step costs ~70 ms (Python and launch overhead;
+the profile, batch 1's 2.66 ms of kernel time were fp4_gemm's GEMMs with the LoRA-A products riding in
+them 1.82 (3.67 GB at 2.0 TB/s, the tensor-core `mma` kernel), cuBLAS's lm_head 0.25, and this file's
+kernels 0.59 (attention 0.14, add_rmsnorm 0.13, LoRA B 0.12, silu_mul 0.10, rope_write 0.10); the 342
+graphed launches leave no gaps (with programmatic dependent launch they even overlap a little: 2.66 ms
+of kernel time in a 2.61 ms step). Without the graph a step costs ~70 ms (Python and launch overhead;
 session 1's measurement). The LoRA-A products as launches of their own in line cost 4.2-8.2 µs each
-(0.47 ms a step, at 3.42 ms a step), inside the GEMM's launch 0.4-3 µs. At batch 64 (128 new tokens,
-4.37 ms a step) the kernels add up to 5.13 ms, the second stream overlapping part of it: the wgmma GEMMs
-2.76 (3.67 GB at ~1.3 TB/s), cuBLAS 1.01 (lm_head and the LoRA-A products on the second stream, with
-their split-K reduces), attention 0.60, the K-order launches 0.17, this file's other kernels 0.59 (since
-then the attention's split over the cache took ~0.1 ms off: `_State`). What remains, in order: the fp4
-GEMMs at ~2 TB/s instead of ~4 at batch 1 (a busy ALU pipe and memory latency, see fp4_gemm.py), and at
-~1.3 TB/s at batch 64.
+(0.47 ms a step, at 3.42 ms a step), inside the GEMM's launch 0.4-3 µs. From 2 rows they run on the
+second stream, entirely hidden at batch 8 (3.46 ms of kernel time, 0.70 of it on that stream, in a 2.78
+ms step at 128 new tokens). At batch 64 (128 new tokens) the kernels add up to 5.01 ms: the wgmma GEMMs
+2.72 (3.67 GB at ~1.3 TB/s), cuBLAS 1.00 (lm_head and the LoRA-A products on the second stream, with
+their split-K reduces), attention 0.53, the K-order launches 0.17, this file's other kernels 0.59. What
+remains, in order: the fp4 GEMMs at ~2 TB/s instead of ~4 at batch 1 (a busy ALU pipe and memory
+latency, see fp4_gemm.py), and at ~1.3 TB/s at batch 64.
 
 Departures. vLLM (which the official QeRL code uses) pages its KV cache and batches continuously;
 here a batch is static and every row shares the cache's column index (left padding), which keeps the
