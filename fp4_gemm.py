@@ -1541,17 +1541,14 @@ def k_ordered(x2, bk, out=None):
 
 
 def _wgmma_linear(x2, packed, scale_u8, gs, bias, plan):
-    """The wgmma kernel's launch: x permuted along K (k_ordered), then one launch that also sums its
-    split-K partials. A plan with STAGES runs the warp-specialized variant (TMA descriptors of x, codes
-    and scales; x's buffer has at least BT rows, the rows past M never stored)."""
+    """The wgmma kernel's launch: x permuted along K (k_ordered) into a buffer of at least BT rows (the
+    rows past M never stored: the plain kernel masks them, the TMA copies of the warp-specialized variant
+    read whole tiles), then one launch that also sums its split-K partials. A plan with STAGES runs the
+    warp-specialized variant (TMA descriptors of x, codes and scales)."""
     M, K = x2.shape
     N = packed.shape[0]
     bt, bk, ws = plan["BT"], plan["BLOCK_K"], "STAGES" in plan
-    if ws:
-        xp = torch.empty(max(M, bt), K, dtype=x2.dtype, device=x2.device)
-        k_ordered(x2, bk, out=xp)
-    else:
-        xp = k_ordered(x2, bk)
+    xp = k_ordered(x2, bk, out=torch.empty(max(M, bt), K, dtype=x2.dtype, device=x2.device))
     steps = K // bk
     split_steps = triton.cdiv(steps, plan["SPLIT_K"])
     split = triton.cdiv(steps, split_steps)  # (every split non-empty)
