@@ -166,7 +166,7 @@ def parse_args(argv=None):
                    help="completion budget (default: 64 for arith, 512 for gsm8k, 2048 otherwise)")
     p.add_argument("--batch-size", type=int, default=None, help="completions per generate call (default: 256 CPU, 64 GPU)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--out", default=None, help="output folder (default runs/eval/<model>-<data>)")
     return p.parse_args(argv)
 
@@ -193,7 +193,7 @@ def main(argv=None):
     args = parse_args(argv)
     from model import read_config, resolve_device, stop_on_bad_input
 
-    resolve_device(args.device)  # (stops with a message when cuda is asked for and absent)
+    device = resolve_device(args.device)  # (stops with a message when cuda is asked for and absent)
     with stop_on_bad_input("eval.py"):  # the model, the adapter and the data first, before any loading
         read_config(args.model)
         if args.adapter:
@@ -204,15 +204,15 @@ def main(argv=None):
     data_name = _slug(args.data).removesuffix(".jsonl")
     max_new = args.max_new_tokens or DEFAULT_MAX_NEW_TOKENS.get(data_name, 2048)
     out = args.out or os.path.join("runs", "eval", f"{_slug(args.model)}-{data_name}")
-    model, tokenizer = load_policy(args.model, args.adapter, args.quant, args.device)
-    print(f"eval: {args.model}{' + ' + args.adapter if args.adapter else ''} ({args.quant}) on {args.device}, "
+    model, tokenizer = load_policy(args.model, args.adapter, args.quant, device)
+    print(f"eval: {args.model}{' + ' + args.adapter if args.adapter else ''} ({args.quant}) on {device}, "
           f"{args.data}/{args.split}: {len(items)} problems x {args.samples} samples, T={args.temperature} "
           f"top-p={args.top_p}, max {max_new} new tokens")
     res = evaluate(model, tokenizer, items, samples=args.samples, temperature=args.temperature, top_p=args.top_p,
                    max_new_tokens=max_new, batch_size=args.batch_size, seed=args.seed, progress=True)
     records = res.pop("records")
     summary = {"model": args.model, "adapter": args.adapter, "quant": args.quant, "data": args.data,
-               "split": args.split, "device": args.device, "seed": args.seed, **res}
+               "split": args.split, "device": str(device), "seed": args.seed, **res}
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
