@@ -53,12 +53,15 @@ Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
   mix of memory latency with few warps in flight and a busy ALU pipe (~70%; a repacked layout with a
   quarter fewer ALU instructions did not change the time, nor did prefetching; nor is it the row-strided
   layout: a kernel that only reads gate/up's codes 64 rows x 128-512 bytes a step, as the decode kernels
-  do, took 16.4-20.6 us, 3.3-4.1 TB/s, session 13), at M = 8 the L1 traffic of x (each lane reads
-  16-byte pieces of x 128 bytes apart; a repacked layout, or lanes holding interleaved k, make those
-  reads contiguous, but the first needs every other kernel to read it too and the second costs M = 1 a
-  sixth: both measured and dropped). More rows of x per program (decoded weights reused by 2-8 groups of
-  8 tokens) lost to the tiled kernel from 32 rows on: every warp reads all of x itself, with no shared
-  memory to share it (the wgmma kernel below shares it).
+  do, took 16.4-20.6 us, 3.3-4.1 TB/s, session 13; for gate/up the kernel's compute alone takes 18 us
+  and its loads and MMAs alone 24, and they overlap poorly: half the loop's instructions removed gained
+  6%, loads run ahead (into registers, which ptxas issues late anyway, into L2, or through a
+  shared-memory ring) lost, and at 694 W it runs at the board's power cap, session 14), at M = 8 the L1
+  traffic of x (each lane reads 16-byte pieces of x 128 bytes apart; a repacked layout, or lanes holding
+  interleaved k, make those reads contiguous, but the first needs every other kernel to read it too and
+  the second costs M = 1 a sixth: both measured and dropped). More rows of x per program (decoded
+  weights reused by 2-8 groups of 8 tokens) lost to the tiled kernel from 32 rows on: every warp reads
+  all of x itself, with no shared memory to share it (the wgmma kernel below shares it).
 - gemv (M = 1 with fp32 x): a program owns 8 weight rows and walks K in steps of 512 with 16-byte
   loads of packed codes, multiply-adding in fp32; optional split-K with a reduce kernel.
 - wgmma (2 <= M <= 256 on Hopper; Gluon, 16-bit x): the mma kernel's idea on Hopper's warpgroup MMA. A
@@ -1231,7 +1234,9 @@ if HAS_GLUON:
             mbarrier.init(empty.index(b), count=NWG)
         s_lo = pid_k * split_steps
         n = gl.minimum(split_steps, n_steps - s_lo)  # (the host makes every split non-empty)
-        # the partitions: consumer 0 in this program's 4 warps, the producer warp, [consumer 1 in 4 more]
+        # the partitions: consumer 0 in this program's 4 warps, the producer warp, [consumer 1 in 4 more]. Each
+        # list is spelled out whole: Gluon (triton 3.6) will not hold a (function, args) pair in a variable
+        # ("cannot convert JITFunction to tensor", session 14), so the NWG = 1 list cannot be reused in the other.
         if NWG == 1:
             gl.warp_specialize([
                 (_ws_consumer, (w_bufs, s_bufs, x_bufs, ready, empty, n, 0, pid_k, gs_ptr, bias_ptr, y_ptr, part_ptr,
