@@ -49,19 +49,19 @@ Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
   agree. Split-K programs leave fp32 partials and the last one to finish a tile (an atomic ticket) sums
   them in order: deterministic, and no second launch. 1.7-2.5x cuBLAS bf16 at M = 1 (gate/up 2.39 TB/s),
   1.4-2.0x at M = 8, where the wide layers give each warp two row tiles (the x a lane loads serves
-  both). What bounds it (Nsight Compute, and the experiments in results/fp4_gemm_h200.md): at M = 1 a
-  mix of memory latency with few warps in flight and a busy ALU pipe (~70%; a repacked layout with a
-  quarter fewer ALU instructions did not change the time, nor did prefetching; nor is it the row-strided
-  layout: a kernel that only reads gate/up's codes 64 rows x 128-512 bytes a step, as the decode kernels
-  do, took 16.4-20.6 us, 3.3-4.1 TB/s, session 13; for gate/up the kernel's compute alone takes 18 us
-  and its loads and MMAs alone 24, and they overlap poorly: half the loop's instructions removed gained
-  6%, loads run ahead (into registers, which ptxas issues late anyway, into L2, or through a
-  shared-memory ring) lost, and at 694 W it runs at the board's power cap, session 14), at M = 8 the L1
-  traffic of x (each lane reads 16-byte pieces of x 128 bytes apart; a repacked layout, or lanes holding
-  interleaved k, make those reads contiguous, but the first needs every other kernel to read it too and
-  the second costs M = 1 a sixth: both measured and dropped). More rows of x per program (decoded
-  weights reused by 2-8 groups of 8 tokens) lost to the tiled kernel from 32 rows on: every warp reads
-  all of x itself, with no shared memory to share it (the wgmma kernel below shares it).
+  both). What bounds it (Nsight Compute, and the experiments in results/fp4_gemm_h200.md): at M = 1, for
+  gate/up, its compute alone takes 18 us and its loads alone 24, and the two overlap only in part (32
+  us). Neither side alone moves it: a repacked layout with a quarter fewer ALU instructions, or half the
+  loop's instructions removed, gained 0-6% (sessions 3, 14); loads issued earlier (into registers, which
+  ptxas schedules late anyway, into L2, or through a shared-memory ring) lost (sessions 3, 14); nor is
+  it the access pattern (a kernel that only reads gate/up's codes 64 rows x 128-512 bytes a step, as the
+  decode kernels do, took 16.4-20.6 us, 3.3-4.1 TB/s, session 13). It draws 694 W, at the board's power
+  cap, so a faster kernel must do less work a weight. At M = 8 the L1 traffic of x (each lane reads
+  16-byte pieces of x 128 bytes apart; a repacked layout, or lanes holding interleaved k, make those
+  reads contiguous, but the first needs every other kernel to read it too and the second costs M = 1 a
+  sixth: both measured and dropped). More rows of x per program (decoded weights reused by 2-8 groups of
+  8 tokens) lost to the tiled kernel from 32 rows on: every warp reads all of x itself, with no shared
+  memory to share it (the wgmma kernel below shares it).
 - gemv (M = 1 with fp32 x): a program owns 8 weight rows and walks K in steps of 512 with 16-byte
   loads of packed codes, multiply-adding in fp32; optional split-K with a reduce kernel.
 - wgmma (2 <= M <= 256 on Hopper; Gluon, 16-bit x): the mma kernel's idea on Hopper's warpgroup MMA. A
