@@ -195,7 +195,7 @@ def main(argv=None):
 
     device = resolve_device(args.device)  # (stops with a message when cuda is asked for and absent)
     with stop_on_bad_input("eval.py"):  # the model, the adapter and the data first, before any loading
-        read_config(args.model)
+        model_dir = read_config(args.model)[0]
         if args.adapter:
             import lora
 
@@ -204,7 +204,7 @@ def main(argv=None):
     data_name = _slug(args.data).removesuffix(".jsonl")
     max_new = args.max_new_tokens or DEFAULT_MAX_NEW_TOKENS.get(data_name, 2048)
     out = args.out or os.path.join("runs", "eval", f"{_slug(args.model)}-{data_name}")
-    model, tokenizer = load_policy(args.model, args.adapter, args.quant, device)
+    model, tokenizer = load_policy(model_dir, args.adapter, args.quant, device)
     print(f"eval: {args.model}{' + ' + args.adapter if args.adapter else ''} ({args.quant}) on {device}, "
           f"{args.data}/{args.split}: {len(items)} problems x {args.samples} samples, T={args.temperature} "
           f"top-p={args.top_p}, max {max_new} new tokens")

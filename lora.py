@@ -408,11 +408,11 @@ def main():
     if not args.merge:
         parser.error("nothing to do: pass --merge")
     with stop_on_bad_input("lora.py"):  # the model and the adapter first, before any writing
-        read_config(args.model)
+        src = read_config(args.model)[0]
         cfg, pairs = read_adapter(args.adapter)
     print(f"merging {len(pairs)} LoRA modules (r={cfg['r']}, alpha={cfg['lora_alpha']}, "
           f"scaling={cfg['lora_alpha'] / cfg['r']:g}) into {args.model} → {args.out} ({args.dtype})")
-    merge(args.model, args.adapter, args.out, getattr(torch, args.dtype))
+    merge(src, args.adapter, args.out, getattr(torch, args.dtype))
     print(f"wrote {args.out}")
 
 

@@ -103,8 +103,8 @@ second stream, entirely hidden at batch 8 (3.46 ms of kernel time, 0.70 of it on
 ms step at 128 new tokens). At batch 64 (128 new tokens) the kernels add up to 5.01 ms: the wgmma GEMMs
 2.72 (3.67 GB at ~1.3 TB/s), cuBLAS 1.00 (lm_head and the LoRA-A products on the second stream, with
 their split-K reduces), attention 0.53, the K-order launches 0.17, this file's other kernels 0.59. What
-remains, in order: the fp4 GEMMs at ~2 TB/s instead of ~4 at batch 1 (a busy ALU pipe and memory
-latency, see fp4_gemm.py), and at ~1.3 TB/s at batch 64.
+remains, in order: the fp4 GEMMs at ~2 TB/s instead of ~4 at batch 1 (their compute and loads overlap
+only in part, at the board's power cap; see fp4_gemm.py), and at ~1.3 TB/s at batch 64.
 
 Departures. vLLM (which the official QeRL code uses) pages its KV cache and batches continuously;
 here a batch is static and every row shares the cache's column index (left padding), which keeps the
@@ -1285,9 +1285,9 @@ def chat(args):
     dev = resolve_device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     with stop_on_bad_input("rollout.py"):  # a missing model, or one of an architecture this decoder lacks
-        read_config(args.model)
-    tok = load_tokenizer(args.model)
-    model = Transformer.from_pretrained(args.model, dtype=dtype, device=dev, quantize=args.quant == "nvfp4")
+        folder = read_config(args.model)[0]
+    tok = load_tokenizer(folder)
+    model = Transformer.from_pretrained(folder, dtype=dtype, device=dev, quantize=args.quant == "nvfp4")
     ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True)
     ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
     stops = set(stop_token_ids(tok))  # the same turn ends as eval.py and train.py use
