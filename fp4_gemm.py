@@ -119,7 +119,9 @@ autotuning at run time). Compile (warm up) each shape once before capturing a gr
 On Hopper and newer GPUs the kernels that serve decode (mma, wgmma, small_linear, k_ordered) are
 launched with programmatic dependent launch and wait for the kernel before them on the GPU
 (`pdl_opts`, `pdl_wait`; rollout.py's kernels do the same): inside a CUDA graph a kernel can then be
-scheduled while the one before it finishes. QERL_PDL=0 turns it off.
+scheduled while the one before it finishes. The mma and plain wgmma kernels let the next kernel launch
+once their programs are past the k loop (`pdl_launch_next`), so its launch overlaps their split-K
+epilogue. QERL_PDL=0 turns it off.
 
 Paths: Triton on CUDA tensors, the torch path (dequantize + matmul) on CPU, chosen automatically.
 `set_backend("torch" | "triton" | "auto", kernel=None)` or the `backend(...)` context manager, or the
@@ -159,7 +161,7 @@ try:
 except ImportError:  # the torch path still works
     HAS_TRITON = False
 try:  # programmatic dependent launch (Hopper on; see pdl_opts)
-    from triton.language.extra.cuda import gdc_wait
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     HAS_PDL = True
 except ImportError:
@@ -289,6 +291,17 @@ if HAS_TRITON:
     def pdl_wait(PDL: tl.constexpr):
         if PDL:
             gdc_wait()
+
+    # The kernel after this one may launch once every program of this one has called this (or exited),
+    # instead of when they have all exited. The GEMMs call it after their k loop: the next kernel's
+    # launch then overlaps their split-K epilogue, and as it still waits first thing, nothing else
+    # changes. 0.7-1% off a decode step at 1-16 rows, none at 32-64 (results/rollout_h200.md, session
+    # 15). Small kernels calling it first thing measured slower: the kernels after them launch at once
+    # and wait on the SMs (2-6% slower at 1-32 rows, 2% faster at 64).
+    @triton.jit
+    def pdl_launch_next(PDL: tl.constexpr):
+        if PDL:
+            gdc_launch_dependents()
 
     @triton.jit
     def _e4m3_to_f32(b, factor: tl.constexpr = 256.0):
@@ -906,6 +919,7 @@ if HAS_TRITON:
         for k0 in range(k_lo, tl.minimum(k_lo + k_split, K), 256):
             acc = _mma_step(acc, qt_ptrs, qb_ptrs, st_ptrs, sb_ptrs, x_ptrs, x_ok, k0, K, t, ROW_TILES, NUM_WARPS,
                             EVEN_K, USE_ASM, F16)
+        pdl_launch_next(PDL)
         # acc[.., j]: row g + 8 (j // 2), token 2t + j % 2
         rows = row[:, :, None] + 8 * (j // 2)  # (L, R, 4)
         toks = pid_m * 8 + 2 * t[:, None, None] + j % 2  # (L, 1, 4)
@@ -1039,6 +1053,13 @@ if HAS_GLUON:
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
+    def _wgmma_pdl_launch_next(PDL: gl.constexpr):
+        """pdl_launch_next in Gluon."""
+        if PDL:
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+
+    @gluon.jit
     def _wgmma_finish(acc, rows, toks, mask, gs_ptr, bias_ptr, y_ptr, N, stride_ym, GS_PER_ROW: gl.constexpr,
                       HAS_BIAS: gl.constexpr):
         """acc (64 rows of W, BT tokens): times 256/g, plus the bias, stored to y (tokens x rows)."""
@@ -1142,6 +1163,7 @@ if HAS_GLUON:
             _cta_barrier()  # every warp is done with this buffer before the next step refills it
             words = words_next
             sb = sb_next
+        _wgmma_pdl_launch_next(PDL)
         _wgmma_epilogue(acc, pid_n, pid_m, pid_k, gl.num_programs(0), gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M,
                         N, stride_ym, BT, SPLIT_K, GS_PER_ROW, HAS_BIAS)
 
