@@ -295,9 +295,9 @@ if HAS_TRITON:
     # The kernel after this one may launch once every program of this one has called this (or exited),
     # instead of when they have all exited. The GEMMs call it after their k loop: the next kernel's
     # launch then overlaps their split-K epilogue, and as it still waits first thing, nothing else
-    # changes. 0.7-1% off a decode step at 1-16 rows, none at 32-64 (results/rollout_h200.md, session
-    # 15). Small kernels calling it first thing measured slower: the kernels after them launch at once
-    # and wait on the SMs (2-6% slower at 1-32 rows, 2% faster at 64).
+    # changes. 0.8% off a decode step at 1 and 8 rows, none at 64 (results/rollout_h200.md, session 15).
+    # Small kernels calling it first thing measured slower: the kernels after them launch at once and
+    # wait on the SMs (2-12% slower at 1-32 rows, 1-2% faster at 64).
     @triton.jit
     def pdl_launch_next(PDL: tl.constexpr):
         if PDL:

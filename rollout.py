@@ -58,8 +58,8 @@ On a Hopper GPU every Triton kernel of the step is launched with programmatic de
 (fp4_gemm.pdl_opts) and waits for the kernel before it on the GPU first thing (fp4_gemm.pdl_wait):
 the graph can then schedule a kernel while the one before it finishes, which hides most of the gap
 between launches; it took 5-7% off the step at every batch size (results/rollout_h200.md, session 8).
-fp4_gemm's GEMMs let the next kernel launch once they are past their k loop (0.8% off the step at
-batch 1 and 8). Small kernels that let their successor launch first thing, or GEMMs that prefetch their
+fp4_gemm's mma and plain wgmma GEMMs let the next kernel launch once they are past their k loop (0.8%
+off the step at batch 1 and 8). Small kernels that let their successor launch first thing, or GEMMs that prefetch their
 weights into L2 before the wait, measured slower (sessions 8 and 15), so none do.
 
 LoRA stays unmerged (the adapters change every RL step; merging would mean re-quantizing the base):
