@@ -91,9 +91,9 @@ On the CPU (tests) the same step runs eagerly with torch ops in place of the Tri
 fused op below has its torch reference next to its kernel, and the tests run both (the kernels
 through Triton's interpreter).
 
-Measured (H200, Qwen2.5-7B shape, NVFP4 + LoRA r32 + AQN, results/rollout_h200.md, session 13): batch 1
-runs at 2.61 ms a step against a 1.16 ms floor, batch 8 at 2.82, batch 16 at 2.95, batch 64 at 4.44. In
-the profile, batch 1's 2.66 ms of kernel time were fp4_gemm's GEMMs with the LoRA-A products riding in
+Measured (H200, Qwen2.5-7B shape, NVFP4 + LoRA r32 + AQN, results/rollout_h200.md, session 15): batch 1
+runs at 2.60 ms a step against a 1.16 ms floor, batch 8 at 2.81, batch 16 at 2.95, batch 64 at 4.46. In
+session 13's profile, batch 1's 2.66 ms of kernel time were fp4_gemm's GEMMs with the LoRA-A products riding in
 them 1.82 (3.67 GB at 2.0 TB/s, the tensor-core `mma` kernel), cuBLAS's lm_head 0.25, and this file's
 kernels 0.59 (attention 0.14, add_rmsnorm 0.13, LoRA B 0.12, silu_mul 0.10, rope_write 0.10); the 342
 graphed launches leave no gaps (with programmatic dependent launch they even overlap a little: 2.66 ms
