@@ -59,8 +59,8 @@ On a Hopper GPU every Triton kernel of the step is launched with programmatic de
 the graph can then schedule a kernel while the one before it finishes, which hides most of the gap
 between launches; it took 5-7% off the step at every batch size (results/rollout_h200.md, session 8).
 fp4_gemm's mma and plain wgmma GEMMs let the next kernel launch once they are past their k loop (0.8%
-off the step at batch 1 and 8). Small kernels that let their successor launch first thing, or GEMMs that prefetch their
-weights into L2 before the wait, measured slower (sessions 8 and 15), so none do.
+off the step at batch 1 and 8). Small kernels that let their successor launch first thing, or GEMMs that
+prefetch their weights into L2 before the wait, measured slower (sessions 8 and 15), so none do.
 
 LoRA stays unmerged (the adapters change every RL step; merging would mean re-quantizing the base):
 its A's and B's are copied at the start of every generate() call, in the model's dtype and with
@@ -93,11 +93,11 @@ through Triton's interpreter).
 
 Measured (H200, Qwen2.5-7B shape, NVFP4 + LoRA r32 + AQN, results/rollout_h200.md, session 15): batch 1
 runs at 2.60 ms a step against a 1.16 ms floor, batch 8 at 2.81, batch 16 at 2.95, batch 64 at 4.46. In
-session 13's profile, batch 1's 2.66 ms of kernel time were fp4_gemm's GEMMs with the LoRA-A products riding in
-them 1.82 (3.67 GB at 2.0 TB/s, the tensor-core `mma` kernel), cuBLAS's lm_head 0.25, and this file's
-kernels 0.59 (attention 0.14, add_rmsnorm 0.13, LoRA B 0.12, silu_mul 0.10, rope_write 0.10); the 342
-graphed launches leave no gaps (with programmatic dependent launch they even overlap a little: 2.66 ms
-of kernel time in a 2.61 ms step). Without the graph a step costs ~70 ms (Python and launch overhead;
+session 13's profile, batch 1's 2.66 ms of kernel time were fp4_gemm's GEMMs with the LoRA-A products
+riding in them 1.82 (3.67 GB at 2.0 TB/s, the tensor-core `mma` kernel), cuBLAS's lm_head 0.25, and this
+file's kernels 0.59 (attention 0.14, add_rmsnorm 0.13, LoRA B 0.12, silu_mul 0.10, rope_write 0.10); the
+342 graphed launches leave no gaps (with programmatic dependent launch they even overlap a little: 2.66
+ms of kernel time in a 2.61 ms step). Without the graph a step costs ~70 ms (Python and launch overhead;
 session 1's measurement). The LoRA-A products as launches of their own in line cost 4.2-8.2 µs each
 (0.47 ms a step, at 3.42 ms a step), inside the GEMM's launch 0.4-3 µs. From 2 rows they run on the
 second stream, entirely hidden at batch 8 (3.46 ms of kernel time, 0.70 of it on that stream, in a 2.78

@@ -319,6 +319,7 @@ def test_merge_cli_matches_unmerged_model(hf_folder, tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "lora.py"), "--merge", "--model", folder, "--adapter",
                         adapter, "--out", str(dst), "--dtype", "float32"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
+    # a missing adapter: one line, and it stops before touching the output just written (checked below)
     r = subprocess.run([sys.executable, os.path.join(ROOT, "lora.py"), "--merge", "--model", folder, "--adapter",
                         str(tmp_path / "none"), "--out", str(dst)], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 1 and r.stderr.strip() == f"lora.py: no adapter folder at {str(tmp_path / 'none')!r}"
