@@ -8,8 +8,9 @@ a 32B model on one 80 GB GPU. This script measures both on Qwen2.5-shaped models
     one step = rollout (prompts x G completions of exactly --new-tokens tokens: no stop token, so
                every configuration decodes the same amount)
              + a reward stand-in (random 0/1 per completion, so every group carries signal)
-             + one update pass of train.update (DAPO loss, activation checkpointing, chunked logprobs,
-               the blocks through torch.compile as train.py does on a GPU, AdamW on the LoRA parameters)
+             + one update pass of train.update (DAPO loss, chunked logprobs, the blocks through
+               torch.compile and activation checkpointing only where a micro-batch would not fit
+               without it, as train.py does on a GPU, AdamW on the LoRA parameters)
 
 and prints rollout tokens/s, update tokens/s, the step time split, peak GPU memory
 (torch.cuda.max_memory_allocated) and the NVFP4 / bf16 ratios. `--mem-cap-gb 80` caps the process
@@ -41,6 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=2, help="timed RL steps per mode (after one warm-up step)")
     p.add_argument("--lora-rank", type=int, default=32, help="LoRA rank on all seven projections")
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per update forward/backward")
+    p.add_argument("--checkpointing", default="auto", choices=["auto", "on", "off"],
+                   help="activation checkpointing in the update, as train.py's (auto: off where a micro-batch fits)")
     p.add_argument("--mem-cap-gb", type=float, default=None, help="cap this process's GPU memory (e.g. 80)")
     p.add_argument("--decode-batch1", action="store_true", help="also time batch-1 rollout tok/s")
     p.add_argument("--no-compile", action="store_true", help="update with eager blocks (as train.py --no-compile)")
@@ -49,9 +52,9 @@ def parse_args(argv=None):
 
 def update_args(a):
     """train.update's knobs for one on-policy DAPO pass: train.py's own defaults (its DAPO recipe), with
-    this benchmark's micro-batch and completion length."""
-    return train.recipe(train.parse_args(["--algo", "dapo", "--micro-batch", str(a.micro_batch),
-                                          "--max-new-tokens", str(a.new_tokens)]))
+    this benchmark's micro-batch, completion length and checkpointing."""
+    return train.recipe(train.parse_args(["--algo", "dapo", "--micro-batch", str(a.micro_batch), "--max-new-tokens",
+                                          str(a.new_tokens), "--checkpointing", a.checkpointing]))
 
 
 def sync(device):
@@ -70,7 +73,6 @@ def run_mode(a, mode, device, cfg):
     params = lora.apply_lora(model, rank=a.lora_rank, alpha=a.lora_rank)
     for p in params:  # nonzero B, as after some training, so the adapters do real work
         p.data.normal_(0, 1e-3)
-    model.gradient_checkpointing = True
     model.compile_blocks = train.compile_backend(device, a.no_compile)
     optimizer = torch.optim.AdamW(params, lr=1e-5)
     build_s = time.time() - t0
@@ -100,7 +102,8 @@ def run_mode(a, mode, device, cfg):
                              update_tok_s=upd_tokens / (t2 - t1)))
     res = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-    res.update(mode=mode, build_s=build_s, peak_gb=peak, grad_norm=metrics["grad_norm"])
+    res.update(mode=mode, build_s=build_s, peak_gb=peak, grad_norm=metrics["grad_norm"],
+               checkpointing="on" if metrics["checkpointing"] else "off")
     if a.decode_batch1:
         with torch.no_grad():
             rollout.generate(model, prompts[:1], n=1, max_new_tokens=64, stop_ids=(), seed=0)  # warm-up
@@ -132,7 +135,8 @@ def main(argv=None):
     for mode in a.modes.split(","):
         results[mode] = run_mode(a, mode, device, qwen25_config(a.size))
         r = results[mode]
-        print(f"  {mode}: built in {r['build_s']:.0f} s, step {r['step_s']:.1f} s, peak {r['peak_gb']:.1f} GiB", flush=True)
+        print(f"  {mode}: built in {r['build_s']:.0f} s, step {r['step_s']:.1f} s, peak {r['peak_gb']:.1f} GiB, "
+              f"activation checkpointing {r['checkpointing']}", flush=True)
     cols = ["rollout_tok_s", "update_tok_s", "rollout_s", "update_s", "step_s", "peak_gb"] + \
            (["batch1_tok_s"] if a.decode_batch1 else [])
     print("\n| base | " + " | ".join(cols) + " |")

@@ -228,7 +228,7 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
-        self.gradient_checkpointing = False  # recompute each block in backward (train.py turns it on)
+        self.gradient_checkpointing = False  # recompute each block in backward (train.update decides)
         self.compile_blocks = None  # a torch.compile backend for the blocks in training (train.py: on a GPU)
 
     def _inv_freq(self, device=None):

@@ -15,7 +15,9 @@ On a GPU the update runs each decoder block through torch.compile (model.compile
 --no-compile), which fuses the elementwise work between the GEMMs: a 7B micro-batch of 8 x 1280
 tokens took 907 instead of 1086 ms on the H200 (results/bench_h200.md). The first update compiles
 (16 s at 7B on the H200), and torch compiles once more, shape-generic, when the sequence length
-first changes; the rollout never runs compiled blocks.
+first changes; the rollout never runs compiled blocks. The update recomputes each block's activations
+in backward (activation checkpointing) only where the largest micro-batch's would not fit in the GPU's
+free memory (checkpointing_on): on the H200 that took a fifth off a 7B or 14B RL step.
 
 `python train.py` with no arguments runs the bundled tiny policy (assets/tiny, trained by tiny.py)
 on the synthetic arithmetic task, on the CPU, in a few minutes. `python train.py --model qwen2.5-7b
@@ -86,7 +88,8 @@ def parse_args(argv=None):
     p.add_argument("--update-passes", type=int, default=1, help="passes over each step's batch (1 = on-policy)")
     p.add_argument("--micro-batch", type=int, default=None, help="sequences per forward/backward (tiny: 128; 7B: 8)")
     p.add_argument("--logp-chunk", type=int, default=1024, help="completion tokens per lm_head chunk when computing logprobs")
-    p.add_argument("--no-checkpointing", action="store_true", help="disable activation checkpointing in the update")
+    p.add_argument("--checkpointing", default="auto", choices=["auto", "on", "off"],
+                   help="activation checkpointing in the update (auto: off on a GPU where a micro-batch fits without)")
     p.add_argument("--no-compile", action="store_true", help="run the update's blocks eagerly (default: torch.compile "
                    "on a GPU, which fuses their elementwise work)")
     # optimizer (QeRL scripts: AdamW, lr 1e-5 NVFP4 / 5e-6 bf16, warm-up then cosine, grad clip 1.0)
@@ -375,6 +378,11 @@ def update(args, model, optimizer, params, groups, rewards, encode, sigma, noise
         mask = dapo.apply_overlong_filter(mask, truncated)
     mask = mask.to(device)
     num_seqs, num_tokens = grpo.batch_counts(mask)
+    tokens = 0  # the largest micro-batch's, padded as completion_logprobs pads it
+    for s in range(0, len(prompts), args.micro_batch):
+        sl = slice(s, s + args.micro_batch)
+        tokens = max(tokens, len(prompts[sl]) * max(len(p) + int(n) for p, n in zip(prompts[sl], lens[sl])))
+    model.gradient_checkpointing = checkpointing_on(args, model, tokens)
     model.train()
     out = {}
     for _ in range(args.update_passes):
@@ -405,7 +413,35 @@ def update(args, model, optimizer, params, groups, rewards, encode, sigma, noise
         else:
             optimizer.step()
         out.update(sums, grad_norm=float(grad_norm))
+    out["checkpointing"] = int(model.gradient_checkpointing)
     return out
+
+
+def activation_bytes(cfg, tokens, dtype):
+    """About what a forward over `tokens` tokens keeps for backward without activation checkpointing. Per
+    token and layer: each RMSNorm's input and output, q and the attention output (6 hidden-size vectors),
+    k and v, gate, up and their product (3 intermediate-size vectors); LoRA keeps the inputs of its A's,
+    which are among these, and the frozen base weights need none. Qwen2.5-7B: 4.4 MB a token, against
+    4.3 measured (results/bench_h200.md, session 16)."""
+    per_layer = 6 * cfg.hidden_size + 2 * cfg.num_kv_heads * cfg.head_dim + 3 * cfg.intermediate_size
+    return tokens * cfg.num_layers * per_layer * torch.finfo(dtype).bits // 8
+
+
+def checkpointing_on(args, model, tokens):
+    """Whether the update recomputes each block in backward (model.gradient_checkpointing). `auto`: only
+    where the largest micro-batch (`tokens` tokens, padding included) would not otherwise fit, with 10% and
+    1 GiB to spare, in what this process can still allocate on its GPU (free memory and torch's idle cache,
+    within any per-process cap). Recomputing is a third of the pass's GEMM work: the 7B update pass took
+    7.1 s with it and 5.0 s without (results/bench_h200.md, session 16). On the CPU (the tiny demo, the tests)
+    `auto` keeps it on: memory there is not measured. The gradients are the same either way."""
+    if args.checkpointing != "auto" or model.device.type != "cuda":
+        return args.checkpointing != "off"
+    dev = model.device
+    free, total = torch.cuda.mem_get_info(dev)
+    used = torch.cuda.memory_allocated(dev)
+    idle = torch.cuda.memory_reserved(dev) - used
+    cap = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(dev) * total - used
+    return 1.1 * activation_bytes(model.config, tokens, model.dtype) + 2**30 > min(free + idle, cap)
 
 
 def lr_lambda(args):
@@ -458,7 +494,6 @@ def main(argv=None):
     model, tokenizer = load_policy(model_dir, quant=args.quant, device=device)  # (bf16 on a GPU, fp32 on CPU)
     params = lora.apply_lora(model, rank=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout,
                              targets=tuple(args.lora_targets.split(",")))
-    model.gradient_checkpointing = not args.no_checkpointing
     model.compile_blocks = compile_backend(device, args.no_compile)
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.999))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args))

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import lora
+import model as M
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,6 +39,7 @@ def test_short_run_learns(tmp_path):
     with open(os.path.join(out, "summary.json")) as f:
         s = json.load(f)
     assert {"baseline_accuracy", "final_accuracy", "wall_time_s"} <= set(s)
+    assert all(r["checkpointing"] == 1 for r in rows)  # --checkpointing auto keeps it on on the CPU
     # LoRA B moved away from its zero init, in every adapted layer.
     bs = [B for A, B in lora.read_adapter(os.path.join(out, "adapter"))[1].values()]
     assert len(bs) == 4 * 7 and all(B.abs().max() > 0 for B in bs)
@@ -162,3 +164,28 @@ def test_nonfinite_loss_skips_the_update(monkeypatch, tmp_path):
     assert row["skipped"] is True
     bs = [B for A, B in lora.read_adapter(os.path.join(out, "adapter"))[1].values()]
     assert all(torch.equal(B, torch.zeros_like(B)) for B in bs)  # nothing moved
+
+
+def test_checkpointing_auto_turns_it_off_only_where_the_activations_fit(monkeypatch):
+    """--checkpointing auto on a GPU: off when the largest micro-batch's activations fit, with 10% and
+    1 GiB to spare, in the free memory within the per-process cap; on otherwise; on and off as told."""
+    cfg = M.qwen25_config("7b")
+    need = train.activation_bytes(cfg, 8 * 1280, torch.bfloat16)  # 7B, 8 sequences of 256 + 1024 tokens
+    assert 0.95 < need / (8 * 1280) / 4.28e6 < 1.1  # measured on the H200: 4.28 MB a token (results/bench_h200.md)
+    gpu = type("FakeModel", (), {"device": torch.device("cuda"), "config": cfg, "dtype": torch.bfloat16})()
+    used, total = 16e9, 150e9
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: used)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: used + 4e9)  # 4 GB idle in torch's cache
+    for free, cap, on in ((100e9, 150e9, False),  # plenty
+                          (1.1 * need + 2**30 - 4e9 - 1e8, 150e9, True),  # free + idle just too small
+                          (100e9, used + 1.1 * need + 2**30 + 1e8, False),  # a cap just large enough
+                          (100e9, used + 1.1 * need + 2**30 - 1e8, True)):  # a cap just too small
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (free, total))
+        monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d: cap / total)
+        args = train.parse_args(["--model", "qwen2.5-7b"])
+        assert train.checkpointing_on(args, gpu, 8 * 1280) is on, (free, cap)
+        for told in ("on", "off"):
+            args.checkpointing = told
+            assert train.checkpointing_on(args, gpu, 8 * 1280) is (told == "on")
+    cpu = type("FakeModel", (), {"device": torch.device("cpu"), "config": cfg, "dtype": torch.float32})()
+    assert train.checkpointing_on(train.parse_args([]), cpu, 8 * 1280) is True
