@@ -21,7 +21,13 @@ Attention reads only the columns that exist. The decode-attention kernel takes t
 from a device counter and splits the sequence into chunks (flash-decoding: one program per (row, kv
 head, chunk), then a combine), so a step costs in proportion to the tokens present, not to the
 cache's capacity S; a finished row reads nothing. The grouped-query heads of one kv head share each
-K/V load (a 16-row tl.dot).
+K/V load (a 16-row tl.dot). The n samples of a prompt hold the same prompt in their cache rows, and
+the decode attention reads it for several rows at once: the programs of every few rows of a group
+also take a slice of the prompt for the query heads of those rows (up to SHARED_HEADS in one tl.dot:
+4 rows of Qwen2.5-7B, whose kv heads have 7 query heads each), read from the group's first row, and
+every row's own programs start after the prompt. With 8 samples of 1024-token prompts a 7B step took 4.67 instead of 5.14 ms; with
+256-token prompts (the longest of a row's chunks sets the time) 4.66 instead of 4.67
+(results/rollout_h200.md, session 16).
 
 One decode step is one CUDA graph. Everything in it reads fixed addresses: the token buffer, the
 counters (current column and step), the cache, the sampler's outputs. So the host replays the graph
@@ -324,36 +330,28 @@ def _rope_write_kernel(qkv_ptr, a_ptr, b_ptr, cos_ptr, sin_ptr, pad_ptr, counter
     tl.store(dst + HALF + d[None, :], y2.to(dt), mask=rm[:, None])
 
 
+SHARE_PROMPTS = True  # the n samples of a prompt attend over it together (False: each row alone, for comparisons)
+# query heads (rows of a group x heads of a kv head) one program takes over a shared prompt: 32 and 64 ran at
+# the same speed (results/rollout_h200.md, session 16), 64 with register spills
+SHARED_HEADS = 32
+
+
 @_jit
-def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, pad_ptr, done_ptr, counters_ptr, m_ptr, l_ptr, acc_ptr,
-                         sm_scale, S, Hkv, NSPLIT, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                         CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
-    """Program (row b, kv head h, chunk c): online softmax of the G query heads of h over the cache
-    columns [max(c·CHUNK, pad_b), min((c+1)·CHUNK, col + 1)); writes its partial max, sum and
-    weighted values. Columns past the current one are never read; a finished row reads nothing."""
-    bh = tl.program_id(0)
-    split = tl.program_id(1)
-    b = bh // Hkv
-    h = bh % Hkv
-    fp4_gemm.pdl_wait(PDL)
-    length = tl.load(counters_ptr) + 1
-    lo = tl.maximum(split * CHUNK, tl.load(pad_ptr + b))
-    hi = tl.minimum(split * CHUNK + CHUNK, length)
-    hi = tl.where(tl.load(done_ptr + b) != 0, lo, hi)
-    g = tl.arange(0, G_PAD)
-    gm = g < G
+def _attn_part(q_ptr, kc_ptr, vc_ptr, m_ptr, l_ptr, acc_ptr, qrow, qm, base, lo, hi, out, sm_scale,
+               QP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+    """Online softmax of the QP query rows `qrow` (mask qm) over the cache columns [lo, hi) at `base` (one
+    row's one kv head); its max, sum and weighted values stored at `out` (the values only if a column was
+    read: the combine does not read them from an empty slot)."""
     d = tl.arange(0, D)
-    qrow = b * (Hkv * G) + h * G + g  # (G_PAD,) rows of q (M·Hq, D)
-    q = tl.load(q_ptr + qrow[:, None] * D + d[None, :], mask=gm[:, None], other=0.0)  # (G_PAD, D)
-    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, D], tl.float32)
-    base = (b * Hkv + h).to(tl.int64) * S * D
+    q = tl.load(q_ptr + qrow[:, None] * D + d[None, :], mask=qm[:, None], other=0.0)  # (QP, D)
+    m_i = tl.full([QP], float("-inf"), tl.float32)
+    l_i = tl.zeros([QP], tl.float32)
+    acc = tl.zeros([QP, D], tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nm = n < hi
         k = tl.load(kc_ptr + base + n[:, None] * D + d[None, :], mask=nm[:, None], other=0.0)  # (BLOCK_N, D)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * sm_scale  # (G_PAD, BLOCK_N)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * sm_scale  # (QP, BLOCK_N)
         s = tl.where(nm[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
@@ -362,26 +360,67 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, pad_ptr, done_ptr, counters_ptr,
         v = tl.load(vc_ptr + base + n[:, None] * D + d[None, :], mask=nm[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
-    out = qrow * NSPLIT + split
-    tl.store(m_ptr + out, m_i, mask=gm)
-    tl.store(l_ptr + out, l_i, mask=gm)
-    tl.store(acc_ptr + out[:, None] * D + d[None, :], acc, mask=gm[:, None])
+    tl.store(m_ptr + out, m_i, mask=qm)
+    tl.store(l_ptr + out, l_i, mask=qm)
+    tl.store(acc_ptr + out[:, None] * D + d[None, :], acc, mask=qm[:, None] & (hi > lo))
 
 
 @_jit
-def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, NSPLIT, NS_PAD: tl.constexpr, D: tl.constexpr,
+def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, pad_ptr, done_ptr, counters_ptr, shared_ptr, m_ptr, l_ptr, acc_ptr,
+                         sm_scale, S, Hkv, STRIDE, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                         CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, N_GROUP: tl.constexpr, ROWS: tl.constexpr,
+                         Q_PAD: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
+    """Program (row b, kv head h, chunk c of C): online softmax of the G query heads of h over the cache
+    columns [max(c·CHUNK, pad_b, shared), min((c+1)·CHUNK, col + 1)); writes its partial max, sum and
+    weighted values to slot c of each query head. Columns past the current one are never read; a
+    finished row reads nothing.
+
+    The N_GROUP rows of a group (the samples of one prompt; N_GROUP = 1: no groups) hold the same prompt
+    in columns [pad, shared). Those are read from the group's first row, once for every ROWS rows: the
+    program of every ROWS-th row of a group also takes slice c of them for the query heads of h of that
+    row and the ROWS - 1 after it (Q_PAD >= ROWS·G query rows, a larger tile), into slot C + c."""
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = bh // Hkv
+    h = bh % Hkv
+    fp4_gemm.pdl_wait(PDL)
+    shared = tl.load(shared_ptr)
+    if N_GROUP > 1:
+        if (b % N_GROUP) % ROWS == 0:
+            first = b - b % N_GROUP
+            pad = tl.load(pad_ptr + first)
+            per = tl.cdiv(tl.cdiv(shared - pad, tl.num_programs(1)), BLOCK_N) * BLOCK_N
+            j = tl.arange(0, Q_PAD)
+            i = j // G  # (row b + i, query head h·G + j % G)
+            qrow = (b + i) * (Hkv * G) + h * G + j % G
+            ok = (j < ROWS * G) & (b % N_GROUP + i < N_GROUP)
+            _attn_part(q_ptr, kc_ptr, vc_ptr, m_ptr, l_ptr, acc_ptr, qrow, ok, (first * Hkv + h).to(tl.int64) * S * D,
+                       pad + split * per, tl.minimum(pad + split * per + per, shared),
+                       qrow * STRIDE + tl.num_programs(1) + split, sm_scale, Q_PAD, D, BLOCK_N, PREC)
+    lo = tl.maximum(tl.maximum(split * CHUNK, tl.load(pad_ptr + b)), shared)
+    hi = tl.minimum(split * CHUNK + CHUNK, tl.load(counters_ptr) + 1)
+    hi = tl.where(tl.load(done_ptr + b) != 0, lo, hi)
+    g = tl.arange(0, G_PAD)
+    qrow = b * (Hkv * G) + h * G + g  # (G_PAD,) rows of q (M·Hq, D)
+    _attn_part(q_ptr, kc_ptr, vc_ptr, m_ptr, l_ptr, acc_ptr, qrow, g < G, (b * Hkv + h).to(tl.int64) * S * D,
+               lo, hi, qrow * STRIDE + split, sm_scale, G_PAD, D, BLOCK_N, PREC)
+
+
+@_jit
+def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, NSPLIT, STRIDE, NS_PAD: tl.constexpr, D: tl.constexpr,
                          PDL: tl.constexpr):
-    """Program (row, q head): merge the chunks' partial softmaxes into the attention output."""
+    """Program (row, q head): merge the partial softmaxes of its first NSPLIT slots into the attention output."""
     row = tl.program_id(0)
     fp4_gemm.pdl_wait(PDL)
     s = tl.arange(0, NS_PAD)
     sm = s < NSPLIT
     d = tl.arange(0, D)
-    m = tl.load(m_ptr + row * NSPLIT + s, mask=sm, other=float("-inf"))
+    m = tl.load(m_ptr + row * STRIDE + s, mask=sm, other=float("-inf"))
     mx = tl.max(m, 0)
     w = tl.where(m > float("-inf"), tl.exp(m - mx), 0.0)  # empty chunks (and finished rows) weigh 0
-    den = tl.sum(tl.load(l_ptr + row * NSPLIT + s, mask=sm, other=0.0) * w, 0)
-    acc = tl.load(acc_ptr + (row * NSPLIT + s)[:, None] * D + d[None, :], mask=sm[:, None], other=0.0)
+    den = tl.sum(tl.load(l_ptr + row * STRIDE + s, mask=sm, other=0.0) * w, 0)
+    full = sm & (m > float("-inf"))  # (an empty slot's values were not written)
+    acc = tl.load(acc_ptr + (row * STRIDE + s)[:, None] * D + d[None, :], mask=full[:, None], other=0.0)
     o = tl.sum(acc * w[:, None], 0) / tl.maximum(den, 1e-30)
     tl.store(out_ptr + row * D + d, o.to(out_ptr.dtype.element_ty))
 
@@ -635,10 +674,14 @@ class _State:
         # results/rollout_h200.md)
         self.attn_chunk = 64 * math.ceil(S / max(1, math.ceil(2 * dec.sms / (N * Hkv))) / 64)
         self.attn_split = math.ceil(S / self.attn_chunk)
+        # the prompt that the n rows of a group share: columns [pad, shared) of each row (shared = 0: none),
+        # read once a group, its slices into slots attn_split ... 2·attn_split - 1 (_attn_partial_kernel)
+        self.n = 1
+        self.shared = torch.zeros(1, **i64)
         rows = N * cfg.num_heads
-        self.attn_m = torch.zeros(rows, self.attn_split, dtype=torch.float32, device=dev)
+        self.attn_m = torch.zeros(rows, 2 * self.attn_split, dtype=torch.float32, device=dev)
         self.attn_l = torch.zeros_like(self.attn_m)
-        self.attn_acc = torch.zeros(rows, self.attn_split, D, dtype=torch.float32, device=dev)
+        self.attn_acc = torch.zeros(rows, 2 * self.attn_split, D, dtype=torch.float32, device=dev)
         # sampler split over the vocabulary: about 2 programs per SM
         self.v_block = 1024
         self.v_chunk = self.v_block * math.ceil(V / max(1, math.ceil(2 * dec.sms / N)) / self.v_block)
@@ -770,13 +813,16 @@ class Decoder:
         Hkv = self.cfg.num_kv_heads
         if self.triton:
             G = Hq // Hkv
+            rows = min(st.n, max(1, SHARED_HEADS // G))  # rows of a group a program takes over their prompt
             _attn_partial_kernel[(M * Hkv, st.attn_split)](
-                q, st.k[layer], st.v[layer], st.pad, st.done, st.counters, st.attn_m, st.attn_l, st.attn_acc,
-                1.0 / math.sqrt(D), st.S, Hkv, st.attn_split, G=G, G_PAD=max(16, _pow2(G)), D=D,
-                CHUNK=st.attn_chunk, BLOCK_N=64, PREC=self.prec, num_warps=4, **self.pdl)
+                q, st.k[layer], st.v[layer], st.pad, st.done, st.counters, st.shared, st.attn_m, st.attn_l,
+                st.attn_acc, 1.0 / math.sqrt(D), st.S, Hkv, st.attn_m.shape[1], G=G, G_PAD=max(16, _pow2(G)), D=D,
+                CHUNK=st.attn_chunk, BLOCK_N=64, N_GROUP=st.n, ROWS=rows, Q_PAD=max(16, _pow2(rows * G)),
+                PREC=self.prec, num_warps=4, **self.pdl)
+            slots = st.attn_split * (2 if st.n > 1 else 1)
             out = torch.empty(M, Hq * D, dtype=q.dtype, device=q.device)
-            _attn_combine_kernel[(M * Hq,)](st.attn_m, st.attn_l, st.attn_acc, out, st.attn_split,
-                                            NS_PAD=_pow2(st.attn_split), D=D, num_warps=4, **self.pdl)
+            _attn_combine_kernel[(M * Hq,)](st.attn_m, st.attn_l, st.attn_acc, out, slots, st.attn_m.shape[1],
+                                            NS_PAD=_pow2(slots), D=D, num_warps=4, **self.pdl)
             return out
         valid = terms[2]  # (M, S)
         S = valid.shape[1]
@@ -955,7 +1001,9 @@ class Decoder:
         if st.stops.numel() != nstop:
             st.stops = torch.full((nstop,), -1, dtype=torch.int64, device=dev)
             st.graphs.clear()
-        key = (sp.temperature, sp.top_p, sp.top_k, sp.pad_id)
+        st.n = n if SHARE_PROMPTS else 1  # rows that share their prompt (the attention launches depend on it)
+        st.shared.fill_(Lp if st.n > 1 else 0)
+        key = (sp.temperature, sp.top_p, sp.top_k, sp.pad_id, st.n)
         for L in self.layers:
             for grp in L.groups:
                 grp.refresh()

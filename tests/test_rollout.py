@@ -187,6 +187,30 @@ def test_samples_share_the_prompt_prefill(hf_folder):
     assert r.tokens.shape[0] == 15 and seen[1:] == [(15,)] * 3  # then one decode step of all rows per token
 
 
+@interpreted
+@pytest.mark.parametrize("heads", [64, 4])  # 4: a group of 3 rows in two programs, of 2 rows and 1
+def test_samples_of_a_prompt_read_its_cached_prompt_once(hf_folder, monkeypatch, heads):
+    """The kernels attend over a group's shared prompt once, from its first row's cache: the other rows'
+    copies of the prompt may hold anything (NaN here) and the rollout does not change by a bit."""
+    _, model = load(hf_folder, seed=3)
+    prompts = prompts_of([4, 7], 97, seed=2)
+    kw = dict(n=3, max_new_tokens=6, temperature=1.0, seed=7, kernels="triton")
+    monkeypatch.setattr(rollout, "SHARED_HEADS", heads)
+    ref = rollout.generate(model, prompts, **kw)
+    prefill = rollout.Decoder.prefill
+
+    def poisoned(self, st, prompts, n, Lp, sp, **k):
+        prefill(self, st, prompts, n, Lp, sp, **k)
+        copies = torch.arange(st.N) % n != 0
+        st.k[:, copies, :, :Lp] = float("nan")
+        st.v[:, copies, :, :Lp] = float("nan")
+
+    monkeypatch.setattr(rollout.Decoder, "prefill", poisoned)
+    got = rollout.generate(model, prompts, **kw)
+    assert torch.equal(ref.tokens, got.tokens) and torch.equal(ref.logprobs, got.logprobs)
+    assert not torch.equal(ref.tokens[0], ref.tokens[1])  # the rows of a group did sample apart
+
+
 def test_sampler_draws_from_the_softmax():
     """Gumbel-max with the hash RNG: empirical frequencies match softmax(z / T), and top-k / top-p
     renormalize inside their sets."""
