@@ -25,9 +25,9 @@ K/V load (a 16-row tl.dot). The n samples of a prompt hold the same prompt in th
 the decode attention reads it for several rows at once: the programs of every few rows of a group
 also take a slice of the prompt for the query heads of those rows (up to SHARED_HEADS in one tl.dot:
 4 rows of Qwen2.5-7B, whose kv heads have 7 query heads each), read from the group's first row, and
-every row's own programs start after the prompt. With 8 samples of 1024-token prompts a 7B step took 4.67 instead of 5.14 ms; with
-256-token prompts (the longest of a row's chunks sets the time) 4.66 instead of 4.67
-(results/rollout_h200.md, session 16).
+every row's own programs start after the prompt. With 8 samples of 1024-token prompts a 7B step took
+4.67 instead of 5.14 ms; with 256-token prompts (the longest of a row's chunks sets the time) 4.66
+instead of 4.67 (results/rollout_h200.md, session 16).
 
 One decode step is one CUDA graph. Everything in it reads fixed addresses: the token buffer, the
 counters (current column and step), the cache, the sampler's outputs. So the host replays the graph
@@ -675,7 +675,8 @@ class _State:
         self.attn_chunk = 64 * math.ceil(S / max(1, math.ceil(2 * dec.sms / (N * Hkv))) / 64)
         self.attn_split = math.ceil(S / self.attn_chunk)
         # the prompt that the n rows of a group share: columns [pad, shared) of each row (shared = 0: none),
-        # read once a group, its slices into slots attn_split ... 2·attn_split - 1 (_attn_partial_kernel)
+        # read for several rows at once, its slices into slots attn_split ... 2·attn_split - 1
+        # (_attn_partial_kernel)
         self.n = 1
         self.shared = torch.zeros(1, **i64)
         rows = N * cfg.num_heads
