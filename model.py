@@ -27,7 +27,8 @@ a 32B model is never whole in bf16.
 
 The forward takes optional positions (B, T) and a KV cache: any object with
 `attend(layer, q, k, v) -> out` and `advance(T)` (KVCache below is the plain one; rollout.py has the
-fast one). Without them it is a plain causal forward over the whole sequence.
+fast one). Without them it is a plain causal forward over the whole sequence. `shared_prompt_hidden`
+runs sequences that share a prompt as one packed row, the prompt once (the RL update's samples).
 """
 import contextlib
 import functools
@@ -138,18 +139,37 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, kv_out, bias=cfg.attention_bias, dtype=dtype)
         self.o_proj = nn.Linear(q_out, h, bias=False, dtype=dtype)
 
-    def forward(self, x, cos, sin, cache=None):
+    def forward(self, x, cos, sin, cache=None, shared=None):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        if cache is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, Hq, T, D)
-        else:
+        if cache is not None:
             out = cache.attend(self.layer_idx, q, k, v)  # (B, Hq, T, D)
+        elif shared is not None:
+            out = shared_prompt_attention(q, k, v, *shared)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, Hq, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+def shared_prompt_attention(q, k, v, index, packed):
+    """Causal attention over a packed row (Transformer.shared_prompt_hidden): q (1, Hq, P, D), k and v
+    (1, Hkv, P, D) hold the P tokens that B sequences have, each shared prompt once; index (B, L) says
+    where token j of sequence b lies among them, packed (P,) where each of them lies among the B·L.
+    Attention alone sees the whole sequences (gathered by index: a shared prompt's queries, keys and
+    values repeated in each, padding as copies that no real query sees), with a square causal mask,
+    which the fastest kernels take: a 7B update spent 210 ms in attention this way and 359 with the
+    completions' queries alone against the prompt's and their own keys, a lower-right mask that those
+    kernels do not take (results/bench_h200.md). Each token's output is its own sequence's (a prompt's:
+    its first sequence's). → (1, Hq, P, D)."""
+    def whole(t):  # (1, H, P, D) → (B, H, L, D)
+        return t[0][:, index].transpose(0, 1)
+
+    out = F.scaled_dot_product_attention(whole(q), whole(k), whole(v), is_causal=True, enable_gqa=True)
+    return out.transpose(0, 1).flatten(1, 2)[:, packed][None]
 
 
 class MLP(nn.Module):
@@ -172,8 +192,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, dtype)
 
-    def forward(self, x, cos, sin, cache=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+    def forward(self, x, cos, sin, cache=None, shared=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, shared)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -251,8 +271,9 @@ class Transformer(nn.Module):
     def device(self):
         return self.embed_tokens.weight.device
 
-    def hidden(self, tokens, positions=None, cache=None):
-        """tokens (B, T) → final-normed hidden states (B, T, H), before lm_head."""
+    def hidden(self, tokens, positions=None, cache=None, shared=None):
+        """tokens (B, T) → final-normed hidden states (B, T, H), before lm_head. shared = (index, packed): the
+        one row packs several sequences (shared_prompt_hidden)."""
         B, T = tokens.shape
         if positions is None:
             start = cache.length if cache is not None else 0
@@ -264,12 +285,42 @@ class Transformer(nn.Module):
         for layer in self.layers:
             run = functools.partial(compiled, layer) if compiled else layer
             if self.gradient_checkpointing and training:
-                x = checkpoint(run, x, cos, sin, cache, use_reentrant=False)
+                x = checkpoint(run, x, cos, sin, cache, shared, use_reentrant=False)
             else:
-                x = run(x, cos, sin, cache)
+                x = run(x, cos, sin, cache, shared)
         if cache is not None:
             cache.advance(T)
         return self.norm(x)
+
+    def shared_prompt_hidden(self, tokens, lengths, shared):
+        """hidden(tokens) for B right-padded sequences, tokens (B, L) of lengths (B,), in which sequence b
+        begins with the first shared[b] tokens of sequence b - 1 (0: nothing shared), with each shared
+        token and all padding run once or not at all. That is an RL update's G samples of a prompt
+        (train.completion_logprobs): with 256-token prompts and 1024-token completions it is a sixth
+        fewer tokens, and a 7B update of 8 prompts x 8 samples went 5.1 -> 4.4 s on the H200 (with each
+        prompt's samples packed as a row of their own: results/bench_h200.md). The caller vouches that
+        the shared tokens are equal. The model sees one packed row of the distinct tokens, each at its
+        position in its sequence; only attention tells the sequences apart (shared_prompt_attention).
+        Backward sums the gradients of every sequence that reads a shared token into it. Returns
+        (B, L, H), final-normed; past a sequence's length the states mean nothing."""
+        B, L = tokens.shape
+        lengths = [int(n) for n in lengths]
+        if min(lengths) < 1 or shared[0] or any(s > min(n, m) for s, n, m in zip(shared[1:], lengths[1:], lengths)):
+            raise ValueError(f"shared_prompt_hidden: every sequence needs a token, shared[0] must be 0 and shared[b] at "
+                             f"most the lengths of sequences b and b - 1; got lengths {lengths}, shared {shared}")
+        index = torch.zeros(B, L, dtype=torch.long)  # where token j of sequence b lies in the packed row
+        packed, P = [], 0  # the packed tokens' flat positions b·L + j in tokens
+        for b, (n, s) in enumerate(zip(lengths, shared)):
+            index[b, :s] = index[b - 1, :s]
+            index[b, s:n] = torch.arange(P, P + n - s)
+            index[b, n:] = index[b, n - 1]  # padding: copies of the last token, after every real query
+            packed.append(torch.arange(b * L + s, b * L + n))
+            P += n - s
+        packed = torch.cat(packed)
+        index, positions = index.to(tokens.device), (packed % L).to(tokens.device)[None]
+        packed = packed.to(tokens.device)
+        h = self.hidden(tokens.flatten()[packed][None], positions, shared=(index, packed))[0]  # (P, H)
+        return h[index]
 
     def forward(self, tokens, positions=None, cache=None):
         """tokens (B, T) → logits (B, T, V)."""

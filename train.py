@@ -6,8 +6,9 @@ One step (QeRL, arXiv 2510.11696, Sec. 3; the algorithms in grpo.py and dapo.py)
             ─► tasks.reward (+ DAPO's soft overlong penalty) ─► rewards (num_groups, G)
             ─► dapo.collect_informative: resample until enough groups have mixed rewards (DAPO only)
             ─► grpo.group_advantages ─► one or more update passes in micro-batches:
-               logp of the completion tokens (hidden states through lm_head in chunks, so the
-               (B, T, vocab) float32 logits never exist at once), the clipped loss against the
+               logp of the completion tokens (a micro-batch as one packed row, each prompt once
+               for its samples; hidden states through lm_head in chunks, so the (B, T, vocab)
+               float32 logits never exist at once), the clipped loss against the
                behaviour policy's logprobs from the rollout, backward through the frozen NVFP4 base
                into the LoRA parameters ─► grad-norm clip ─► AdamW ─► warm-up + cosine schedule
 
@@ -17,7 +18,10 @@ tokens took 907 instead of 1086 ms on the H200 (results/bench_h200.md). The firs
 (16 s at 7B on the H200), and torch compiles once more, shape-generic, when the sequence length
 first changes; the rollout never runs compiled blocks. The update recomputes each block's activations
 in backward (activation checkpointing) only where the largest micro-batch's would not fit in the GPU's
-free memory (checkpointing_on): on the H200 that took a fifth off a 7B or 14B RL step.
+free memory (checkpointing_on): on the H200 that took a fifth off a 7B or 14B RL step. Running each
+prompt once for its samples, and no padding (model.shared_prompt_hidden), took the 7B update on the
+H200 from 5.1 to 4.4 s (timed in a first form of it, results/bench_h200.md) and the default tiny run's
+from 2.0 to 1.1 s a step.
 
 `python train.py` with no arguments runs the bundled tiny policy (assets/tiny, trained by tiny.py)
 on the synthetic arithmetic task, on the CPU, in a few minutes. `python train.py --model qwen2.5-7b
@@ -208,16 +212,19 @@ def completion_logprobs(model, prompts, completions, lengths, temperature, chunk
     """Logprobs (and entropies) of each completion token under softmax(logits / temperature).
 
     prompts: list of token lists; completions (B, Tc) right-padded; lengths (B,). Returns logp and
-    entropy (B, Tc), zero past each length. Only completion positions go through lm_head, `chunk`
-    tokens at a time, each chunk recomputed in backward (checkpoint) so its float32 logits are freed."""
+    entropy (B, Tc), zero past each length. A row whose prompt is the row before's (the samples of a
+    prompt) reads that prompt's states instead of running it again (Transformer.shared_prompt_hidden).
+    Only completion positions go through lm_head, `chunk` tokens at a time, each chunk recomputed in
+    backward (checkpoint) so its float32 logits are freed."""
     B, Tc = completions.shape
     device = model.device
     seqs = [p + completions[i, : lengths[i]].tolist() for i, p in enumerate(prompts)]
     T = max(len(s) for s in seqs)
     tokens = torch.zeros(B, T, dtype=torch.long)
     for i, s in enumerate(seqs):
-        tokens[i, : len(s)] = torch.tensor(s)  # right padding: causal attention never looks at it
-    h = model.hidden(tokens.to(device))  # (B, T, H)
+        tokens[i, : len(s)] = torch.tensor(s)  # right padding, which the model never runs
+    shared = [len(p) if i and p == prompts[i - 1] else 0 for i, p in enumerate(prompts)]
+    h = model.shared_prompt_hidden(tokens.to(device), [len(s) for s in seqs], shared)  # (B, T, H)
     rows = torch.cat([torch.full((int(n),), i) for i, n in enumerate(lengths)])  # (N,)
     cols = torch.cat([torch.arange(int(n)) for n in lengths])  # (N,) completion index j
     pos = torch.tensor([len(prompts[i]) - 1 for i in rows.tolist()]) + cols  # hidden state that predicts token j
@@ -378,7 +385,9 @@ def update(args, model, optimizer, params, groups, rewards, encode, sigma, noise
         mask = dapo.apply_overlong_filter(mask, truncated)
     mask = mask.to(device)
     num_seqs, num_tokens = grpo.batch_counts(mask)
-    tokens = 0  # the largest micro-batch's, padded as completion_logprobs pads it
+    # the largest micro-batch's tokens, as whole sequences: completion_logprobs runs a prompt once for its
+    # samples, but attention still holds the whole sequences, so this errs high
+    tokens = 0
     for s in range(0, len(prompts), args.micro_batch):
         sl = slice(s, s + args.micro_batch)
         tokens = max(tokens, len(prompts[sl]) * max(len(p) + int(n) for p, n in zip(prompts[sl], lens[sl])))

@@ -170,6 +170,47 @@ def test_compiled_blocks_same_loss_and_lora_gradients(hf_folder, quantize):
             torch.testing.assert_close(g, g0, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("quantize,backend", [(False, None), (True, None), (False, "aot_eager")])
+def test_shared_prompt_hidden_is_hidden_of_each_whole_sequence(hf_folder, quantize, backend):
+    """shared_prompt_hidden (a packed row of the distinct tokens: each shared prompt once, no padding)
+    gives each sequence's hidden states and the LoRA gradients that hidden() gives over the padded whole
+    sequences: forward, and backward through a shared prompt's keys and values (the gradients of every
+    sequence that reads them summed into them). Two prompts of 3 and 2 samples, the first of them shared
+    in part by a third sequence, sequences of different lengths; plain, on an NVFP4 base, and with
+    checkpointing and the compiled blocks (aot_eager) that train.py uses. On the GPU where there is one
+    (its attention kernels), as in the test above."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    _, folder = hf_folder("qwen2", num_hidden_layers=3)
+    gen = torch.Generator().manual_seed(2)
+    pa, pb = torch.randint(0, 101, (7,), generator=gen), torch.randint(0, 101, (4,), generator=gen)
+    lengths = [12, 9, 11, 8, 10, 11]
+    prefix = [pa, pa, pa, pb, pb, pa[:3]]
+    shared = [0, 7, 7, 0, 4, 0]
+    tokens = torch.randint(0, 101, (6, 12), generator=gen)
+    for i, p in enumerate(prefix):
+        tokens[i, :len(p)] = p
+    tokens[5, 3] = (tokens[0, 3] + 1) % 101  # row 5 begins as row 0 does, for 3 tokens only: not shared
+    tokens, weights = tokens.to(dev), torch.randn(6, 12, 64, generator=gen).to(dev)
+    real = (torch.arange(12)[None] < torch.tensor(lengths)[:, None]).to(dev)  # past a length: no meaning
+    results = []
+    for packed in (False, True):
+        m = M.Transformer.from_pretrained(folder, dtype=torch.float32, device=dev, quantize=quantize).train()
+        torch.manual_seed(0)
+        params = lora.apply_lora(m, rank=4, alpha=8)
+        for p in params:
+            p.data.normal_(0, 0.1)
+        m.gradient_checkpointing, m.compile_blocks = backend is not None, backend
+        h = m.shared_prompt_hidden(tokens, lengths, shared) if packed else m.hidden(tokens)
+        h = h * real[..., None]
+        (h * weights).sum().backward()
+        results.append((h.detach(), [p.grad for p in params]))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
+    for g, g0 in zip(results[1][1], results[0][1]):  # float32 sums in another order
+        torch.testing.assert_close(g, g0, rtol=1e-4, atol=1e-4 * float(g0.abs().max()))
+    with pytest.raises(ValueError, match="shared"):
+        m.shared_prompt_hidden(tokens, lengths, [0, 7, 7, 0, 9, 0])  # more than row 3 has
+
+
 def test_errors(hf_folder, tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="not a hub id"):
         M.Transformer.from_pretrained(str(tmp_path / "nope"))

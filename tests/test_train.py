@@ -189,3 +189,25 @@ def test_checkpointing_auto_turns_it_off_only_where_the_activations_fit(monkeypa
             assert train.checkpointing_on(args, gpu, 8 * 1280) is (told == "on")
     cpu = type("FakeModel", (), {"device": torch.device("cpu"), "config": cfg, "dtype": torch.float32})()
     assert train.checkpointing_on(train.parse_args([]), cpu, 8 * 1280) is True
+
+
+def test_completion_logprobs_match_a_forward_of_each_whole_sequence(hf_folder):
+    """completion_logprobs (each prompt run once for its samples, lm_head in chunks) against a plain forward
+    of every prompt + completion: the same logprobs and entropies at temperature 0.7, zeros past each
+    length. Two prompts of different lengths, rows of different lengths (one of a single token), and a
+    chunk that splits rows."""
+    _, folder = hf_folder("qwen2", num_hidden_layers=3)
+    m = M.Transformer.from_pretrained(folder, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 101, (6,), generator=gen).tolist()] * 3 + [torch.randint(0, 101, (9,), generator=gen).tolist()] * 2
+    completions = torch.randint(0, 101, (5, 7), generator=gen)
+    lengths = torch.tensor([4, 7, 1, 5, 3])
+    with torch.no_grad():
+        logp, ent = train.completion_logprobs(m, prompts, completions, lengths, 0.7, chunk=4)
+        for i, p in enumerate(prompts):
+            n = int(lengths[i])
+            z = m(torch.tensor([p + completions[i, :n].tolist()]))[0, len(p) - 1: len(p) - 1 + n] / 0.7
+            want = z.log_softmax(-1)
+            torch.testing.assert_close(logp[i, :n], want.gather(1, completions[i, :n, None])[:, 0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(ent[i, :n], -(want.exp() * want).sum(-1), rtol=1e-5, atol=1e-5)
+            assert not logp[i, n:].any() and not ent[i, n:].any()
