@@ -208,6 +208,12 @@ def _chunk_logp(h, weight, targets, temperature):
     return logp, entropy
 
 
+def shared_prompts(prompts):
+    """For each row, how many leading tokens it shares with the row before: its prompt's length where the
+    prompts are the same (the samples of one prompt), else 0."""
+    return [len(p) if i and p == prompts[i - 1] else 0 for i, p in enumerate(prompts)]
+
+
 def completion_logprobs(model, prompts, completions, lengths, temperature, chunk):
     """Logprobs (and entropies) of each completion token under softmax(logits / temperature).
 
@@ -223,8 +229,7 @@ def completion_logprobs(model, prompts, completions, lengths, temperature, chunk
     tokens = torch.zeros(B, T, dtype=torch.long)
     for i, s in enumerate(seqs):
         tokens[i, : len(s)] = torch.tensor(s)  # right padding, which the model never runs
-    shared = [len(p) if i and p == prompts[i - 1] else 0 for i, p in enumerate(prompts)]
-    h = model.shared_prompt_hidden(tokens.to(device), [len(s) for s in seqs], shared)  # (B, T, H)
+    h = model.shared_prompt_hidden(tokens.to(device), [len(s) for s in seqs], shared_prompts(prompts))  # (B, T, H)
     rows = torch.cat([torch.full((int(n),), i) for i, n in enumerate(lengths)])  # (N,)
     cols = torch.cat([torch.arange(int(n)) for n in lengths])  # (N,) completion index j
     pos = torch.tensor([len(prompts[i]) - 1 for i in rows.tolist()]) + cols  # hidden state that predicts token j
@@ -385,13 +390,10 @@ def update(args, model, optimizer, params, groups, rewards, encode, sigma, noise
         mask = dapo.apply_overlong_filter(mask, truncated)
     mask = mask.to(device)
     num_seqs, num_tokens = grpo.batch_counts(mask)
-    # the largest micro-batch's tokens, as whole sequences: completion_logprobs runs a prompt once for its
-    # samples, but attention still holds the whole sequences, so this errs high
-    tokens = 0
-    for s in range(0, len(prompts), args.micro_batch):
-        sl = slice(s, s + args.micro_batch)
-        tokens = max(tokens, len(prompts[sl]) * max(len(p) + int(n) for p, n in zip(prompts[sl], lens[sl])))
-    model.gradient_checkpointing = checkpointing_on(args, model, tokens)
+    mb = args.micro_batch
+    need = max(micro_batch_bytes(model.config, model.dtype, prompts[s:s + mb], lens[s:s + mb])
+               for s in range(0, len(prompts), mb))  # the largest micro-batch's activations
+    model.gradient_checkpointing = checkpointing_on(args, model, need)
     model.train()
     out = {}
     for _ in range(args.update_passes):
@@ -426,23 +428,37 @@ def update(args, model, optimizer, params, groups, rewards, encode, sigma, noise
     return out
 
 
-def activation_bytes(cfg, tokens, dtype):
+def activation_bytes(cfg, tokens, dtype, attended=0):
     """About what a forward over `tokens` tokens keeps for backward without activation checkpointing. Per
     token and layer: each RMSNorm's input and output, q and the attention output (6 hidden-size vectors),
     k and v, gate, up and their product (3 intermediate-size vectors); LoRA keeps the inputs of its A's,
     which are among these, and the frozen base weights need none. Qwen2.5-7B: 4.4 MB a token, against
-    4.3 measured (results/bench_h200.md, session 16)."""
-    per_layer = 6 * cfg.hidden_size + 2 * cfg.num_kv_heads * cfg.head_dim + 3 * cfg.intermediate_size
-    return tokens * cfg.num_layers * per_layer * torch.finfo(dtype).bits // 8
+    4.3 measured (results/bench_h200.md, session 16). `attended`: tokens that attention alone sees on top
+    (model.shared_prompt_attention: a shared prompt again for each further sample, the padding), which
+    hold their q, k, v and output there too. A 7B micro-batch of 256 + 8 x 1024 tokens and 1792 on top:
+    38.4 GB, where the first form of the packing held about 38 (results/bench_h200.md, session 17)."""
+    per_token = 6 * cfg.hidden_size + 2 * cfg.num_kv_heads * cfg.head_dim + 3 * cfg.intermediate_size
+    per_attended = 2 * cfg.hidden_size + 2 * cfg.num_kv_heads * cfg.head_dim
+    return (tokens * per_token + attended * per_attended) * cfg.num_layers * torch.finfo(dtype).bits // 8
 
 
-def checkpointing_on(args, model, tokens):
+def micro_batch_bytes(cfg, dtype, prompts, lengths):
+    """activation_bytes of one micro-batch (prompts, completion lengths) as completion_logprobs runs it: a
+    packed row of each prompt once for its samples and no padding, attention seeing the padded whole
+    sequences on top."""
+    seqs = [len(p) + int(n) for p, n in zip(prompts, lengths)]
+    packed = sum(seqs) - sum(shared_prompts(prompts))
+    return activation_bytes(cfg, packed, dtype, attended=len(seqs) * max(seqs) - packed)
+
+
+def checkpointing_on(args, model, need):
     """Whether the update recomputes each block in backward (model.gradient_checkpointing). `auto`: only
-    where the largest micro-batch (`tokens` tokens, padding included) would not otherwise fit, with 10% and
-    1 GiB to spare, in what this process can still allocate on its GPU (free memory and torch's idle cache,
-    within any per-process cap). Recomputing is a third of the pass's GEMM work: the 7B update pass took
-    7.1 s with it and 5.0 s without (results/bench_h200.md, session 16). On the CPU (the tiny demo, the tests)
-    `auto` keeps it on: memory there is not measured. The gradients are the same either way."""
+    where the largest micro-batch's activations (`need` bytes, activation_bytes) would not otherwise fit,
+    with 10% and 1 GiB to spare, in what this process can still allocate on its GPU (free memory and
+    torch's idle cache, within any per-process cap). Recomputing is a third of the pass's GEMM work: the
+    7B update pass took 7.1 s with it and 5.0 s without (results/bench_h200.md, session 16). On the CPU
+    (the tiny demo, the tests) `auto` keeps it on: memory there is not measured. The gradients are the
+    same either way."""
     if args.checkpointing != "auto" or model.device.type != "cuda":
         return args.checkpointing != "off"
     dev = model.device
@@ -450,7 +466,7 @@ def checkpointing_on(args, model, tokens):
     used = torch.cuda.memory_allocated(dev)
     idle = torch.cuda.memory_reserved(dev) - used
     cap = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(dev) * total - used
-    return 1.1 * activation_bytes(model.config, tokens, model.dtype) + 2**30 > min(free + idle, cap)
+    return 1.1 * need + 2**30 > min(free + idle, cap)
 
 
 def lr_lambda(args):

@@ -172,6 +172,14 @@ def test_checkpointing_auto_turns_it_off_only_where_the_activations_fit(monkeypa
     cfg = M.qwen25_config("7b")
     need = train.activation_bytes(cfg, 8 * 1280, torch.bfloat16)  # 7B, 8 sequences of 256 + 1024 tokens
     assert 0.95 < need / (8 * 1280) / 4.28e6 < 1.1  # measured on the H200: 4.28 MB a token (results/bench_h200.md)
+    # the same 8 sequences as the samples of one prompt: its 256 tokens once, the whole sequences in attention
+    packed = train.micro_batch_bytes(cfg, torch.bfloat16, [[1] * 256] * 8, [1024] * 8)
+    assert packed == train.activation_bytes(cfg, 256 + 8 * 1024, torch.bfloat16, attended=7 * 256)
+    assert 0.95 < packed / 38.3e9 < 1.1  # the first form of the packing held about 38.3 GB (session 17)
+    # two prompts of 3 and 2 samples, completions of different lengths: padding counts in attention only
+    p, q = [1, 2, 3], [4, 5]
+    assert train.micro_batch_bytes(cfg, torch.bfloat16, [p, p, p, q, q], [4, 6, 1, 5, 2]) == train.activation_bytes(
+        cfg, 3 + 4 + 6 + 1 + 2 + 5 + 2, torch.bfloat16, attended=5 * 9 - 23)
     gpu = type("FakeModel", (), {"device": torch.device("cuda"), "config": cfg, "dtype": torch.bfloat16})()
     used, total = 16e9, 150e9
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: used)
@@ -183,12 +191,12 @@ def test_checkpointing_auto_turns_it_off_only_where_the_activations_fit(monkeypa
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (free, total))
         monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d: cap / total)
         args = train.parse_args(["--model", "qwen2.5-7b"])
-        assert train.checkpointing_on(args, gpu, 8 * 1280) is on, (free, cap)
+        assert train.checkpointing_on(args, gpu, need) is on, (free, cap)
         for told in ("on", "off"):
             args.checkpointing = told
-            assert train.checkpointing_on(args, gpu, 8 * 1280) is (told == "on")
+            assert train.checkpointing_on(args, gpu, need) is (told == "on")
     cpu = type("FakeModel", (), {"device": torch.device("cpu"), "config": cfg, "dtype": torch.float32})()
-    assert train.checkpointing_on(train.parse_args([]), cpu, 8 * 1280) is True
+    assert train.checkpointing_on(train.parse_args([]), cpu, need) is True
 
 
 def test_completion_logprobs_match_a_forward_of_each_whole_sequence(hf_folder):
@@ -199,7 +207,8 @@ def test_completion_logprobs_match_a_forward_of_each_whole_sequence(hf_folder):
     _, folder = hf_folder("qwen2", num_hidden_layers=3)
     m = M.Transformer.from_pretrained(folder, dtype=torch.float32)
     gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 101, (6,), generator=gen).tolist()] * 3 + [torch.randint(0, 101, (9,), generator=gen).tolist()] * 2
+    a, b = torch.randint(0, 101, (6,), generator=gen).tolist(), torch.randint(0, 101, (9,), generator=gen).tolist()
+    prompts = [a] * 3 + [b] * 2
     completions = torch.randint(0, 101, (5, 7), generator=gen)
     lengths = torch.tensor([4, 7, 1, 5, 3])
     with torch.no_grad():
