@@ -229,7 +229,7 @@ def completion_logprobs(model, prompts, completions, lengths, temperature, chunk
     tokens = torch.zeros(B, T, dtype=torch.long)
     for i, s in enumerate(seqs):
         tokens[i, : len(s)] = torch.tensor(s)  # right padding, which the model never runs
-    h = model.shared_prompt_hidden(tokens.to(device), [len(s) for s in seqs], shared_prompts(prompts))  # (B, T, H)
+    h = model.shared_prompt_hidden(tokens.to(device), list(map(len, seqs)), shared_prompts(prompts))  # (B, T, H)
     rows = torch.cat([torch.full((int(n),), i) for i, n in enumerate(lengths)])  # (N,)
     cols = torch.cat([torch.arange(int(n)) for n in lengths])  # (N,) completion index j
     pos = torch.tensor([len(prompts[i]) - 1 for i in rows.tolist()]) + cols  # hidden state that predicts token j
