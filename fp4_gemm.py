@@ -284,9 +284,11 @@ if HAS_TRITON:
 
     # Programmatic dependent launch (pdl_opts): a kernel launched with it may be scheduled before the
     # kernel ahead of it in the stream has finished, as that one's programs exit, so launch latency and
-    # tail overlap. It must then wait (griddepcontrol.wait) before touching memory that earlier kernels
-    # write or read; the kernels here wait first thing, on every path, so each still finishes after all
-    # those before it, as in plain stream order.
+    # tail overlap. It must then wait (griddepcontrol.wait) before it reads memory that earlier kernels
+    # write or writes memory that they read; the kernels here wait before any such access, on every
+    # path, so each still finishes after all those before it, as in plain stream order. Reading what no
+    # kernel of the stream writes may come first: rollout.py's small kernels load their LoRA B's and
+    # norm weights before the wait, which then overlaps those loads with the kernel before.
     @triton.jit
     def pdl_wait(PDL: tl.constexpr):
         if PDL:

@@ -61,12 +61,15 @@ runs cuBLAS only: fp4_gemm's split-K kernels share one buffer of ticket counters
 by side would corrupt each other's sums.
 
 On a Hopper GPU every Triton kernel of the step is launched with programmatic dependent launch
-(fp4_gemm.pdl_opts) and waits for the kernel before it on the GPU first thing (fp4_gemm.pdl_wait):
-the graph can then schedule a kernel while the one before it finishes, which hides most of the gap
-between launches; it took 5-7% off the step at every batch size (results/rollout_h200.md, session 8).
-fp4_gemm's mma and plain wgmma GEMMs let the next kernel launch once they are past their k loop (0.8%
-off the step at batch 1 and 8). Small kernels that let their successor launch first thing, or GEMMs that
-prefetch their weights into L2 before the wait, measured slower (sessions 8 and 15), so none do.
+(fp4_gemm.pdl_opts) and waits for the kernel before it on the GPU (fp4_gemm.pdl_wait) before it
+reads anything that kernel writes: the graph can then schedule a kernel while the one before it
+finishes, which hides most of the gap between launches; it took 5-7% off the step at every batch size
+(results/rollout_h200.md, session 8). fp4_gemm's mma and plain wgmma GEMMs let the next kernel launch
+once they are past their k loop (0.8% off the step at batch 1 and 8), and the kernel after a GEMM
+loads what no kernel of the step writes (its LoRA B's; a norm's weight) before its wait, so those
+loads overlap the GEMM's split-K epilogue: 5% off the step at batch 1, 4% at batch 8, 0.5% at 64
+(session 18). Small kernels that let their successor launch first thing, or GEMMs that prefetch
+their weights into L2 before the wait, measured slower (sessions 8 and 15), so none do.
 
 LoRA stays unmerged (the adapters change every RL step; merging would mean re-quantizing the base):
 its A's and B's are copied at the start of every generate() call, in the model's dtype and with
@@ -270,6 +273,7 @@ def _add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, xout_ptr, out_ptr, H, eps,
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     m = offs < H
+    w = tl.load(w_ptr + offs, mask=m, other=0.0)  # (no kernel of the step writes it: loaded before the wait)
     fp4_gemm.pdl_wait(PDL)
     x = tl.load(x_ptr + row * H + offs, mask=m, other=0.0)
     if HAS_DELTA:
@@ -278,7 +282,7 @@ def _add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, xout_ptr, out_ptr, H, eps,
         tl.store(xout_ptr + row * H + offs, x, mask=m)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / H
-    y = xf * tl.rsqrt(var + eps) * tl.load(w_ptr + offs, mask=m, other=0.0)
+    y = xf * tl.rsqrt(var + eps) * w
     tl.store(out_ptr + row * H + offs, y.to(out_ptr.dtype.element_ty), mask=m)
 
 
@@ -290,21 +294,22 @@ def _rope_write_kernel(qkv_ptr, a_ptr, b_ptr, cos_ptr, sin_ptr, pad_ptr, counter
     positions, store q to q_ptr (M, Hq, D) and k / v into this layer's cache at the current column."""
     pm = tl.program_id(0)
     j = tl.program_id(1)
-    fp4_gemm.pdl_wait(PDL)
     HALF: tl.constexpr = D // 2
     rows = pm * BM + tl.arange(0, BM)
     rm = rows < M
     d = tl.arange(0, HALF)
     nqkv = (Hq + 2 * Hkv) * D
     c0 = j * D
+    r = tl.arange(0, R)
+    if HAS_LORA:  # B^T for this head's two halves (R, HALF): no kernel of the step writes it, so before the wait
+        b1 = tl.load(b_ptr + (c0 + d)[None, :] * R + r[:, None])
+        b2 = tl.load(b_ptr + (c0 + HALF + d)[None, :] * R + r[:, None])
+    fp4_gemm.pdl_wait(PDL)
     x1 = tl.load(qkv_ptr + rows[:, None] * nqkv + c0 + d[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
     x2 = tl.load(qkv_ptr + rows[:, None] * nqkv + c0 + HALF + d[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
     if HAS_LORA:
         sec = (j >= Hq).to(tl.int32) + (j >= Hq + Hkv).to(tl.int32)  # which of A_q, A_k, A_v fed this head
-        r = tl.arange(0, R)
         a = tl.load(a_ptr + rows[:, None] * A_STRIDE + sec * R + r[None, :], mask=rm[:, None], other=0.0)  # (BM, R)
-        b1 = tl.load(b_ptr + (c0 + d)[None, :] * R + r[:, None])  # (R, HALF): B^T for this head's first half
-        b2 = tl.load(b_ptr + (c0 + HALF + d)[None, :] * R + r[:, None])
         x1 += tl.dot(a, b1, input_precision=PREC)
         x2 += tl.dot(a, b2, input_precision=PREC)
     dt = q_ptr.dtype.element_ty
@@ -429,20 +434,21 @@ def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, NSPLIT, STRIDE, NS_PAD:
 def _silu_mul_kernel(gu_ptr, a_ptr, b_ptr, out_ptr, M, I, A_STRIDE, R: tl.constexpr, BM: tl.constexpr,
                      BN: tl.constexpr, HAS_LORA: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
     """Tile (rows, cols) of silu(gate) * up, with gate|up = the fused GEMM's output + LoRA B products."""
-    fp4_gemm.pdl_wait(PDL)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     rm = rows < M
     cm = cols < I
     mk = rm[:, None] & cm[None, :]
+    r = tl.arange(0, R)
+    if HAS_LORA:  # the B's (R, BN): no kernel of the step writes them, so before the wait
+        bg = tl.load(b_ptr + cols[None, :] * R + r[:, None], mask=cm[None, :], other=0.0)
+        bu = tl.load(b_ptr + (I + cols)[None, :] * R + r[:, None], mask=cm[None, :], other=0.0)
+    fp4_gemm.pdl_wait(PDL)
     g = tl.load(gu_ptr + rows[:, None] * (2 * I) + cols[None, :], mask=mk, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + rows[:, None] * (2 * I) + I + cols[None, :], mask=mk, other=0.0).to(tl.float32)
     if HAS_LORA:
-        r = tl.arange(0, R)
         ag = tl.load(a_ptr + rows[:, None] * A_STRIDE + r[None, :], mask=rm[:, None], other=0.0)  # (BM, R)
         au = tl.load(a_ptr + rows[:, None] * A_STRIDE + R + r[None, :], mask=rm[:, None], other=0.0)
-        bg = tl.load(b_ptr + cols[None, :] * R + r[:, None], mask=cm[None, :], other=0.0)  # (R, BN)
-        bu = tl.load(b_ptr + (I + cols)[None, :] * R + r[:, None], mask=cm[None, :], other=0.0)
         g += tl.dot(ag, bg, input_precision=PREC)
         u += tl.dot(au, bu, input_precision=PREC)
     dt = out_ptr.dtype.element_ty
@@ -463,9 +469,9 @@ def _lora_b_kernel(y_ptr, a_ptr, b_ptr, M, N, A_STRIDE, R: tl.constexpr, BM: tl.
     cm = cols < N
     mk = rm[:, None] & cm[None, :]
     r = tl.arange(0, R)
+    b = tl.load(b_ptr + cols[None, :] * R + r[:, None], mask=cm[None, :], other=0.0)  # (R, BN), before the wait
     fp4_gemm.pdl_wait(PDL)
     a = tl.load(a_ptr + rows[:, None] * A_STRIDE + r[None, :], mask=rm[:, None], other=0.0)  # (BM, R)
-    b = tl.load(b_ptr + cols[None, :] * R + r[:, None], mask=cm[None, :], other=0.0)  # (R, BN)
     y = tl.load(y_ptr + rows[:, None] * N + cols[None, :], mask=mk, other=0.0).to(tl.float32)
     y += tl.dot(a, b, input_precision=PREC)
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mk)
