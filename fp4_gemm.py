@@ -842,34 +842,37 @@ if HAS_TRITON:
         return acc + _mma_half_reference(qt, qb, st, sb, xw0, xw1, xw2, xw3, HALF, NUM_WARPS, ROW_TILES, F16)
 
     @triton.jit
-    def _mma_step(acc, qt_ptrs, qb_ptrs, st_ptrs, sb_ptrs, x_ptrs, x_ok, k0, K, t, ROW_TILES: tl.constexpr,
-                  NUM_WARPS: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, F16: tl.constexpr):
-        """One k-step of 256: the lane's words 0-3 and 4-7 of rows g and g + 8 (k = k0 + 64 t + 8 w + i),
-        their 4 scale bytes and x. K is a multiple of 64, so a lane's 64 k are all before K or all past
-        it (then codes, scales and x load as zeros); the masks are per lane, which keeps the loads 16-byte
-        vectors in the lane layout."""
+    def _mma_loads(qt_ptrs, qb_ptrs, st_ptrs, sb_ptrs, k0, K, t, EVEN_K: tl.constexpr):
+        """One k-step of 256's weight: the lane's words 0-3 and 4-7 of rows g and g + 8 (k = k0 + 64 t +
+        8 w + i) and their 4 scale bytes. K is a multiple of 64, so a lane's 64 k are all before K or all
+        past it (then they load as zeros); the masks are per lane, which keeps the loads 16-byte vectors
+        in the lane layout."""
         kw = tl.multiple_of(k0 // 8, 32)  # (k0 is a multiple of 256): aligned vector loads
         ks = tl.multiple_of(k0 // 16, 16)
-        xp = x_ptrs + tl.multiple_of(k0 // 2, 128)
         if EVEN_K:
-            ok = x_ok
-            qt0 = tl.load(qt_ptrs + kw)
-            qt1 = tl.load(qt_ptrs + kw + 4)
-            qb0 = tl.load(qb_ptrs + kw)
-            qb1 = tl.load(qb_ptrs + kw + 4)
-            st = tl.load(st_ptrs + ks)
-            sb = tl.load(sb_ptrs + ks)
-        else:
-            k_in = k0 + 64 * t[:, None, None] < K  # (L, 1, 1)
-            ok = x_ok & k_in
-            qt0 = tl.load(qt_ptrs + kw, mask=k_in, other=0)
-            qt1 = tl.load(qt_ptrs + kw + 4, mask=k_in, other=0)
-            qb0 = tl.load(qb_ptrs + kw, mask=k_in, other=0)
-            qb1 = tl.load(qb_ptrs + kw + 4, mask=k_in, other=0)
-            st = tl.load(st_ptrs + ks, mask=k_in, other=0)
-            sb = tl.load(sb_ptrs + ks, mask=k_in, other=0)
+            return (tl.load(qt_ptrs + kw), tl.load(qt_ptrs + kw + 4), tl.load(qb_ptrs + kw), tl.load(qb_ptrs + kw + 4),
+                    tl.load(st_ptrs + ks), tl.load(sb_ptrs + ks))
+        k_in = k0 + 64 * t[:, None, None] < K  # (L, 1, 1)
+        return (tl.load(qt_ptrs + kw, mask=k_in, other=0), tl.load(qt_ptrs + kw + 4, mask=k_in, other=0),
+                tl.load(qb_ptrs + kw, mask=k_in, other=0), tl.load(qb_ptrs + kw + 4, mask=k_in, other=0),
+                tl.load(st_ptrs + ks, mask=k_in, other=0), tl.load(sb_ptrs + ks, mask=k_in, other=0))
+
+    @triton.jit
+    def _mma_compute(acc, w, x_ptrs, x_ok, k0, K, t, ROW_TILES: tl.constexpr, NUM_WARPS: tl.constexpr,
+                     EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, F16: tl.constexpr):
+        """The k-step's MMAs on its loaded weight w (_mma_loads), with x loaded here."""
+        qt0, qt1, qb0, qb1, st, sb = w
+        xp = x_ptrs + tl.multiple_of(k0 // 2, 128)
+        ok = x_ok if EVEN_K else x_ok & (k0 + 64 * t[:, None, None] < K)
         acc = _mma_half(acc, qt0, qb0, st, sb, xp, ok, ROW_TILES, NUM_WARPS, 0, USE_ASM, F16)
         return _mma_half(acc, qt1, qb1, st, sb, xp + 16, ok, ROW_TILES, NUM_WARPS, 1, USE_ASM, F16)
+
+    @triton.jit
+    def _mma_step(acc, qt_ptrs, qb_ptrs, st_ptrs, sb_ptrs, x_ptrs, x_ok, k0, K, t, ROW_TILES: tl.constexpr,
+                  NUM_WARPS: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, F16: tl.constexpr):
+        """One k-step of 256: its weight, x, and the MMAs."""
+        w = _mma_loads(qt_ptrs, qb_ptrs, st_ptrs, sb_ptrs, k0, K, t, EVEN_K)
+        return _mma_compute(acc, w, x_ptrs, x_ok, k0, K, t, ROW_TILES, NUM_WARPS, EVEN_K, USE_ASM, F16)
 
     @triton.jit
     def _mma_kernel(x_ptr, wp_ptr, ws_ptr, gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, stride_xm, stride_ym,
@@ -888,12 +891,12 @@ if HAS_TRITON:
         SIDE_COLS > 0 (M <= 8): programs n >= n_w compute the side product x @ side^T instead, SIDE_COLS
         programs a 16-column tile along axis 0 times SPLIT_K along axis 2, one K chunk each (_small_part).
         (Placed first along axis 0 instead, so that they start early, they made the launch slower.)"""
-        pdl_wait(PDL)
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_k = tl.program_id(2)
         if SIDE_COLS > 0:
             if pid_n >= n_w:
+                pdl_wait(PDL)
                 e = pid_n - n_w
                 tile = e // SIDE_COLS  # its ticket counter n_w + tile: the weight tiles' are m · programs + n < n_w
                 _small_part(x_ptr, side_ptr, side_out_ptr, side_part_ptr, lock_ptr, M, K, SR, 2 * stride_xm, 0,
@@ -918,7 +921,14 @@ if HAS_TRITON:
         x_ok = (token < M)[:, None, None]
         acc = tl.zeros((L, ROW_TILES, 4), tl.float32)
         k_lo = pid_k * k_split
-        for k0 in range(k_lo, tl.minimum(k_lo + k_split, K), 256):
+        k_hi = tl.minimum(k_lo + k_split, K)
+        # The first k-step's codes and scales are constants of the step: loaded before the wait, they
+        # arrive while the kernel before this one finishes.
+        w0 = _mma_loads(qt_ptrs, qb_ptrs, st_ptrs, sb_ptrs, k_lo, K, t, False)
+        pdl_wait(PDL)
+        if k_lo < k_hi:
+            acc = _mma_compute(acc, w0, x_ptrs, x_ok, k_lo, K, t, ROW_TILES, NUM_WARPS, False, USE_ASM, F16)
+        for k0 in range(k_lo + 256, k_hi, 256):
             acc = _mma_step(acc, qt_ptrs, qb_ptrs, st_ptrs, sb_ptrs, x_ptrs, x_ok, k0, K, t, ROW_TILES, NUM_WARPS,
                             EVEN_K, USE_ASM, F16)
         pdl_launch_next(PDL)

@@ -273,6 +273,7 @@ def _add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, xout_ptr, out_ptr, H, eps,
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     m = offs < H
+    fp4_gemm.pdl_launch_next(PDL)
     w = tl.load(w_ptr + offs, mask=m, other=0.0)  # (no kernel of the step writes it: loaded before the wait)
     fp4_gemm.pdl_wait(PDL)
     x = tl.load(x_ptr + row * H + offs, mask=m, other=0.0)
@@ -416,6 +417,7 @@ def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, NSPLIT, STRIDE, NS_PAD:
                          PDL: tl.constexpr):
     """Program (row, q head): merge the partial softmaxes of its first NSPLIT slots into the attention output."""
     row = tl.program_id(0)
+    fp4_gemm.pdl_launch_next(PDL)
     fp4_gemm.pdl_wait(PDL)
     s = tl.arange(0, NS_PAD)
     sm = s < NSPLIT
@@ -440,6 +442,7 @@ def _silu_mul_kernel(gu_ptr, a_ptr, b_ptr, out_ptr, M, I, A_STRIDE, R: tl.conste
     cm = cols < I
     mk = rm[:, None] & cm[None, :]
     r = tl.arange(0, R)
+    fp4_gemm.pdl_launch_next(PDL)
     if HAS_LORA:  # the B's (R, BN): no kernel of the step writes them, so before the wait
         bg = tl.load(b_ptr + cols[None, :] * R + r[:, None], mask=cm[None, :], other=0.0)
         bu = tl.load(b_ptr + (I + cols)[None, :] * R + r[:, None], mask=cm[None, :], other=0.0)
