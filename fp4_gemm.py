@@ -121,7 +121,11 @@ launched with programmatic dependent launch and wait for the kernel before them 
 (`pdl_opts`, `pdl_wait`; rollout.py's kernels do the same): inside a CUDA graph a kernel can then be
 scheduled while the one before it finishes. The mma and plain wgmma kernels let the next kernel launch
 once their programs are past the k loop (`pdl_launch_next`), so its launch overlaps their split-K
-epilogue. QERL_PDL=0 turns it off.
+epilogue. The mma kernel loads its first k-step's codes and scales before its wait: where the kernel
+before it lets it launch early (rollout.py's small kernels ahead of a GEMM do), that load overlaps
+the kernel before (a 7B decode step at one row 2.48 -> 2.38 ms on the H200, session 18; the same in
+the plain wgmma kernel, with k_ordered launching it early, made 8 and 16 rows 3% slower). QERL_PDL=0
+turns it off.
 
 Paths: Triton on CUDA tensors, the torch path (dequantize + matmul) on CPU, chosen automatically.
 `set_backend("torch" | "triton" | "auto", kernel=None)` or the `backend(...)` context manager, or the
@@ -296,10 +300,12 @@ if HAS_TRITON:
 
     # The kernel after this one may launch once every program of this one has called this (or exited),
     # instead of when they have all exited. The GEMMs call it after their k loop: the next kernel's
-    # launch then overlaps their split-K epilogue, and as it still waits first thing, nothing else
-    # changes. 0.8% off a decode step at 1 and 8 rows, none at 64 (results/rollout_h200.md, session 15).
-    # Small kernels calling it first thing measured slower: the kernels after them launch at once and
-    # wait on the SMs (2-12% slower at 1-32 rows, 1-2% faster at 64).
+    # launch then overlaps their split-K epilogue, and as it still waits before reading their output,
+    # nothing else changes. 0.8% off a decode step at 1 and 8 rows, none at 64 (results/rollout_h200.md,
+    # session 15). Every small kernel calling it first thing measured slower (the kernels after them
+    # launch at once and wait on the SMs: 2-12% slower at 1-32 rows, 1-2% faster at 64); the three of
+    # rollout.py that come before a GEMM do (0.8% faster at 8 and 64 rows, and at one row the mma
+    # kernel's first loads then overlap them; session 18).
     @triton.jit
     def pdl_launch_next(PDL: tl.constexpr):
         if PDL:
