@@ -121,11 +121,12 @@ launched with programmatic dependent launch and wait for the kernel before them 
 (`pdl_opts`, `pdl_wait`; rollout.py's kernels do the same): inside a CUDA graph a kernel can then be
 scheduled while the one before it finishes. The mma and plain wgmma kernels let the next kernel launch
 once their programs are past the k loop (`pdl_launch_next`), so its launch overlaps their split-K
-epilogue. The mma kernel loads its first k-step's codes and scales before its wait: where the kernel
-before it lets it launch early (rollout.py's small kernels ahead of a GEMM do), that load overlaps
-the kernel before (a 7B decode step at one row 2.48 -> 2.38 ms on the H200, session 18; the same in
-the plain wgmma kernel, with k_ordered launching it early, made 8 and 16 rows 3% slower). QERL_PDL=0
-turns it off.
+epilogue. Called for decode (fp4_linear_side), where no kernel writes a weight, the mma kernel loads
+its first k-step's codes and scales before its wait: where the kernel before it lets it launch early
+(rollout.py's small kernels ahead of a GEMM do), that load overlaps the kernel before (a 7B decode
+step at one row 2.48 -> 2.38 ms on the H200, session 18; the same in the plain wgmma kernel, with
+k_ordered launching it early, made 8 and 16 rows 3% slower). The other callers wait first: the kernel
+just before them might have written the weight. QERL_PDL=0 turns it off.
 
 Paths: Triton on CUDA tensors, the torch path (dequantize + matmul) on CPU, chosen automatically.
 `set_backend("torch" | "triton" | "auto", kernel=None)` or the `backend(...)` context manager, or the
@@ -290,9 +291,11 @@ if HAS_TRITON:
     # kernel ahead of it in the stream has finished, as that one's programs exit, so launch latency and
     # tail overlap. It must then wait (griddepcontrol.wait) before it reads memory that earlier kernels
     # write or writes memory that they read; the kernels here wait before any such access, on every
-    # path, so each still finishes after all those before it, as in plain stream order. Reading what no
-    # kernel of the stream writes may come first: rollout.py's small kernels load their LoRA B's and
-    # norm weights before the wait, which then overlaps those loads with the kernel before.
+    # path, so each still finishes after all those before it, as in plain stream order. Reading what the
+    # kernel before does not write may come first: rollout.py's small kernels load their LoRA B's and
+    # norm weights before the wait, and the mma kernel, for decode, its first codes, which then overlaps
+    # those loads with the kernel before. (Until the wait returns, even what the kernel before wrote
+    # and then exited may not be visible yet.)
     @triton.jit
     def pdl_wait(PDL: tl.constexpr):
         if PDL:
@@ -886,7 +889,7 @@ if HAS_TRITON:
                     ROW_TILES: tl.constexpr, NUM_WARPS: tl.constexpr, SPLIT_K: tl.constexpr, GS_PER_ROW: tl.constexpr,
                     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, F16: tl.constexpr,
                     SIDE_COLS: tl.constexpr, SIDE_SPLIT: tl.constexpr, SIDE_PAD: tl.constexpr, SIDE_F32: tl.constexpr,
-                    PDL: tl.constexpr):
+                    W_EARLY: tl.constexpr, PDL: tl.constexpr):
         """Program (n, m, s): 16 * NUM_WARPS * ROW_TILES weight rows, x rows 8m..8m+7, K split s, k-steps
         of 256. Tensors are (lane, row tile, 4), the 4 contiguous on the last axis: Triton lays such a
         load out with its threads along the first axis that is not contiguous, one lane per index (16
@@ -928,10 +931,12 @@ if HAS_TRITON:
         acc = tl.zeros((L, ROW_TILES, 4), tl.float32)
         k_lo = pid_k * k_split
         k_hi = tl.minimum(k_lo + k_split, K)
-        # The first k-step's codes and scales are constants of the step: loaded before the wait, they
-        # arrive while the kernel before this one finishes.
-        w0 = _mma_loads(qt_ptrs, qb_ptrs, st_ptrs, sb_ptrs, k_lo, K, t, False)
-        pdl_wait(PDL)
+        if W_EARLY:  # the first k-step's codes and scales, loaded while the kernel before finishes
+            w0 = _mma_loads(qt_ptrs, qb_ptrs, st_ptrs, sb_ptrs, k_lo, K, t, False)
+            pdl_wait(PDL)
+        else:
+            pdl_wait(PDL)
+            w0 = _mma_loads(qt_ptrs, qb_ptrs, st_ptrs, sb_ptrs, k_lo, K, t, False)
         if k_lo < k_hi:
             acc = _mma_compute(acc, w0, x_ptrs, x_ok, k_lo, K, t, ROW_TILES, NUM_WARPS, False, USE_ASM, F16)
         for k0 in range(k_lo + 256, k_hi, 256):
@@ -1647,15 +1652,18 @@ def _side_rides(plan, M):
     return plan["kernel"] == "mma" and 0 < M <= 8
 
 
-def triton_linear(x2, packed, scale_u8, gs, bias, plan=None, side=None):
+def triton_linear(x2, packed, scale_u8, gs, bias, plan=None, side=None, constant_weight=False):
     """y (M, N) = x2 (M, K) @ W^T (+ bias) on the Triton path; `plan` overrides plan_forward.
     side: an optional small (SR, K) matrix in x2's dtype (rollout's LoRA A's); then returns (y, x2 @
-    side^T): with the mma kernel (M <= 8) both from one launch; else side_linear's."""
+    side^T): with the mma kernel (M <= 8) both from one launch; else side_linear's.
+    constant_weight: the caller vouches that the kernel just before in the stream does not write the
+    weight, so that the mma kernel may load its first codes before its launch wait (see pdl_wait)."""
     M, K = x2.shape
     N = packed.shape[0]
     plan = _runnable_plan(x2, packed, scale_u8, plan)
     if side is not None and not _side_rides(plan, M):
-        return triton_linear(x2, packed, scale_u8, gs, bias, plan), side_linear(x2, side)
+        y = triton_linear(x2, packed, scale_u8, gs, bias, plan, constant_weight=constant_weight)
+        return y, side_linear(x2, side)
     y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     if M == 0:
         return y
@@ -1691,7 +1699,7 @@ def triton_linear(x2, packed, scale_u8, gs, bias, plan=None, side=None):
                                      ROW_TILES=rt, NUM_WARPS=nw, EVEN_K=K % 256 == 0 and k_split % 256 == 0,
                                      USE_ASM=x2.is_cuda and plan.get("asm", True), F16=x2.dtype == torch.float16,
                                      SIDE_COLS=cols, SIDE_SPLIT=sside, SIDE_PAD=triton.next_power_of_2(sside),
-                                     SIDE_F32=not x2.is_cuda, **pdl_opts(x2.device),
+                                     SIDE_F32=not x2.is_cuda, W_EARLY=constant_weight, **pdl_opts(x2.device),
                                      num_warps=nw, num_stages=plan.get("num_stages", 1), **flags)
         return (y, sout) if side is not None else y  # (the mma kernel reduces its own split-K partials)
     args = (x2, packed, scale_u8, gs, bias_arg, y, part, M, N, K, x2.stride(0), y.stride(0), packed.stride(0),
@@ -1818,13 +1826,15 @@ def fp4_linear_side(x, q, bias, side):
     longer than the GEMM alone, where a launch of small_linear of its own took 4.2-8.2 us (H200,
     results/rollout_h200.md). Other kernels: the GEMM, then small_linear (or cuBLAS) for the side;
     rollout.py computes those rows' side products with cuBLAS on a second stream instead, beside the
-    GEMM. Not differentiable."""
+    GEMM. Not differentiable. The kernel just before in the stream must not write q (a decode step's
+    weights are constants): the mma kernel loads its first codes before its launch wait."""
     _check(x, q.packed, q.scale, q.global_scale)
     if x.dim() != 2 or side.shape[1] != x.shape[1] or side.dtype != x.dtype:
         raise ValueError(f"fp4_linear_side: x {tuple(x.shape)} {x.dtype} against side {tuple(side.shape)} {side.dtype}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     if _use_triton(x):
-        return triton_linear(x, q.packed, q.scale.view(torch.uint8), q.global_scale.float(), bias, side=side)
+        return triton_linear(x, q.packed, q.scale.view(torch.uint8), q.global_scale.float(), bias, side=side,
+                             constant_weight=True)
     return _torch_linear(x, q.packed, q.scale, q.global_scale, bias), torch.nn.functional.linear(x, side)
 
 

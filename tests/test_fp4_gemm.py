@@ -200,7 +200,7 @@ def test_small_linear_against_float64(M, K, SR, poisoned):
 def test_side_product_rides_along(M, K, N, SR, plan, poisoned):
     """fp4_linear_side: the side's programs inside the mma launch leave y exactly as the plain launch
     makes it, x @ side^T matches float64, the counters return to zero, and a second call is
-    bit-identical."""
+    bit-identical, also with the first codes loaded before the launch wait (decode's constant_weight)."""
     q = make_q(N, K, per_row=True, seed=M + K + SR)
     g = torch.Generator().manual_seed(SR)
     x = torch.randn(M, K, generator=g).to(torch.bfloat16).to(DEV)
@@ -211,7 +211,7 @@ def test_side_product_rides_along(M, K, N, SR, plan, poisoned):
     assert torch.equal(y, fp4_gemm.triton_linear(*args))
     ref = x.double().cpu() @ side.double().cpu().t()
     assert a.shape == (M, SR) and a.dtype == x.dtype and rel_err(a, ref) <= 1e-2
-    y2, a2 = fp4_gemm.triton_linear(*args, side=side)
+    y2, a2 = fp4_gemm.triton_linear(*args, side=side, constant_weight=True)
     assert torch.equal(y2, y) and torch.equal(a2, a) and not fp4_gemm._locks(x.device).any()
     # the public entry, on whichever path this machine runs
     y3, a3 = fp4_gemm.fp4_linear_side(x, q, b, side)
