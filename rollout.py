@@ -65,7 +65,8 @@ On a Hopper GPU every Triton kernel of the step is launched with programmatic de
 reads anything that kernel writes: the graph can then schedule a kernel while the one before it
 finishes, which hides most of the gap between launches; it took 5-7% off the step at every batch size
 (results/rollout_h200.md, session 8). What a kernel reads that no kernel of the step writes may come
-before its wait. fp4_gemm's mma and plain wgmma GEMMs let the next kernel launch once they are past
+before its wait (the step's first kernel, the embedding lookup, is a plain launch, so whatever came
+before the step, such as the copies of the adapters, has finished by then). fp4_gemm's mma and plain wgmma GEMMs let the next kernel launch once they are past
 their k loop (0.8% off the step at batch 1 and 8), and the kernel after a GEMM loads its constants
 (its LoRA B's; a norm's weight) before the wait, so those loads overlap the GEMM's split-K epilogue:
 5% off the step at batch 1, 4% at batch 8, 0.5% at 64. The three kernels before a GEMM (add_rmsnorm,
