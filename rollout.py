@@ -61,21 +61,21 @@ runs cuBLAS only: fp4_gemm's split-K kernels share one buffer of ticket counters
 by side would corrupt each other's sums.
 
 On a Hopper GPU every Triton kernel of the step is launched with programmatic dependent launch
-(fp4_gemm.pdl_opts) and waits for the kernel before it on the GPU (fp4_gemm.pdl_wait) before it
-reads anything that kernel writes: the graph can then schedule a kernel while the one before it
-finishes, which hides most of the gap between launches; it took 5-7% off the step at every batch size
+(fp4_gemm.pdl_opts) and waits for the kernel before it on the GPU (fp4_gemm.pdl_wait) before it reads
+anything that kernel writes: the graph can then schedule a kernel while the one before it finishes, which
+hides most of the gap between launches; it took 5-7% off the step at every batch size
 (results/rollout_h200.md, session 8). What a kernel reads that no kernel of the step writes may come
 before its wait (the step's first kernel, the embedding lookup, is a plain launch, so whatever came
-before the step, such as the copies of the adapters, has finished by then). fp4_gemm's mma and plain wgmma GEMMs let the next kernel launch once they are past
-their k loop (0.8% off the step at batch 1 and 8), and the kernel after a GEMM loads its constants
-(its LoRA B's; a norm's weight) before the wait, so those loads overlap the GEMM's split-K epilogue:
-5% off the step at batch 1, 4% at batch 8, 0.5% at 64. The three kernels before a GEMM (add_rmsnorm,
-the attention combine, silu_mul) let it launch first thing, and the mma kernel loads its first
-k-step's weight before its wait: 4% more off at batch 1; the early launch alone 0.8% at 8 and 64
-(session 18). Measured slower and not done: every small kernel launching its successor first thing
-(sessions 8 and 15, before the mma kernel loaded anything early), GEMMs prefetching their weights
-into L2 (sessions 15, 16), and the plain wgmma kernel loading its first k-step early, launched early
-by its K-order kernel (3% slower at batch 8 and 16, session 18).
+before the step, such as the copies of the adapters, has finished by then). fp4_gemm's mma and plain
+wgmma GEMMs let the next kernel launch once they are past their k loop (0.8% off the step at batch 1 and
+8), and the kernel after a GEMM loads its constants (its LoRA B's; a norm's weight) before the wait, so
+those loads overlap the GEMM's split-K epilogue: 5% off the step at batch 1, 4% at batch 8, 0.5% at 64.
+The three kernels before a GEMM (add_rmsnorm, the attention combine, silu_mul) let it launch first thing,
+and the mma kernel loads its first k-step's weight before its wait: 4% more off at batch 1; the early
+launch alone 0.8% at 8 and 64 (session 18). Measured slower and not done: every small kernel launching
+its successor first thing (sessions 8 and 15, before the mma kernel loaded anything early), GEMMs
+prefetching their weights into L2 (sessions 15, 16), and the plain wgmma kernel loading its first k-step
+early, launched early by its K-order kernel (3% slower at batch 8 and 16, session 18).
 
 LoRA stays unmerged (the adapters change every RL step; merging would mean re-quantizing the base):
 its A's and B's are copied at the start of every generate() call, in the model's dtype and with
@@ -114,15 +114,15 @@ riding in them 1.82 (3.67 GB at 2.0 TB/s, the tensor-core `mma` kernel), cuBLAS'
 file's kernels 0.55 (attention 0.15, LoRA B 0.11, silu_mul 0.10, add_rmsnorm 0.10, rope_write 0.09); the
 graphed step, its 342 launches overlapping, took 2.47 ms there (before the mma kernel's early loads,
 which took the step at 512 new tokens from 2.48 to 2.38 ms). Without the graph a step costs ~70 ms
-(Python and launch overhead; session 1's measurement). The LoRA-A products as launches of their own in line cost 4.2-8.2 µs each
-(0.47 ms a step, at 3.42 ms a step), inside the GEMM's launch 0.4-3 µs. From 2 rows they run on the
-second stream, entirely hidden at batch 8 (3.46 ms of kernel time, 0.70 of it on that stream, in a 2.78
-ms step at 128 new tokens, session 13). At batch 64 (128 new tokens, session 18) the kernels add up to
-5.04 ms: the wgmma GEMMs 2.74 (3.67 GB at ~1.3 TB/s), cuBLAS 1.00 (lm_head and the LoRA-A products on
-the second stream, with their split-K reduces), attention 0.54, the K-order launches 0.17, this file's
-other kernels 0.58. What remains, in order: the fp4 GEMMs at ~2 TB/s instead of ~4 at batch 1 (their
-compute and loads overlap only in part, at the board's power cap; see fp4_gemm.py), and at ~1.3 TB/s
-at batch 64.
+(Python and launch overhead; session 1's measurement). The LoRA-A products as launches of their own in
+line cost 4.2-8.2 µs each (0.47 ms a step, at 3.42 ms a step), inside the GEMM's launch 0.4-3 µs. From 2
+rows they run on the second stream, entirely hidden at batch 8 (3.46 ms of kernel time, 0.70 of it on
+that stream, in a 2.78 ms step at 128 new tokens, session 13). At batch 64 (128 new tokens, session 18)
+the kernels add up to 5.04 ms: the wgmma GEMMs 2.74 (3.67 GB at ~1.3 TB/s), cuBLAS 1.00 (lm_head and the
+LoRA-A products on the second stream, with their split-K reduces), attention 0.54, the K-order launches
+0.17, this file's other kernels 0.58. What remains, in order: the fp4 GEMMs at ~2 TB/s instead of ~4 at
+batch 1 (their compute and loads overlap only in part, at the board's power cap; see fp4_gemm.py), and at
+~1.3 TB/s at batch 64.
 
 Departures. vLLM (which the official QeRL code uses) pages its KV cache and batches continuously;
 here a batch is static and every row shares the cache's column index (left padding), which keeps the
@@ -281,7 +281,7 @@ def _add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, xout_ptr, out_ptr, H, eps,
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     m = offs < H
-    fp4_gemm.pdl_launch_next(PDL)
+    fp4_gemm.pdl_launch_next(PDL)  # the GEMM after this one may start loading its weights
     w = tl.load(w_ptr + offs, mask=m, other=0.0)  # (no kernel of the step writes it: loaded before the wait)
     fp4_gemm.pdl_wait(PDL)
     x = tl.load(x_ptr + row * H + offs, mask=m, other=0.0)
@@ -425,7 +425,7 @@ def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, NSPLIT, STRIDE, NS_PAD:
                          PDL: tl.constexpr):
     """Program (row, q head): merge the partial softmaxes of its first NSPLIT slots into the attention output."""
     row = tl.program_id(0)
-    fp4_gemm.pdl_launch_next(PDL)
+    fp4_gemm.pdl_launch_next(PDL)  # the o GEMM may start loading its weights
     fp4_gemm.pdl_wait(PDL)
     s = tl.arange(0, NS_PAD)
     sm = s < NSPLIT
@@ -450,7 +450,7 @@ def _silu_mul_kernel(gu_ptr, a_ptr, b_ptr, out_ptr, M, I, A_STRIDE, R: tl.conste
     cm = cols < I
     mk = rm[:, None] & cm[None, :]
     r = tl.arange(0, R)
-    fp4_gemm.pdl_launch_next(PDL)
+    fp4_gemm.pdl_launch_next(PDL)  # the down GEMM may start loading its weights
     if HAS_LORA:  # the B's (R, BN): no kernel of the step writes them, so before the wait
         bg = tl.load(b_ptr + cols[None, :] * R + r[:, None], mask=cm[None, :], other=0.0)
         bu = tl.load(b_ptr + (I + cols)[None, :] * R + r[:, None], mask=cm[None, :], other=0.0)
