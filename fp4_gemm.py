@@ -931,12 +931,11 @@ if HAS_TRITON:
         acc = tl.zeros((L, ROW_TILES, 4), tl.float32)
         k_lo = pid_k * k_split
         k_hi = tl.minimum(k_lo + k_split, K)
-        if W_EARLY:  # the first k-step's codes and scales, loaded while the kernel before finishes
-            w0 = _mma_loads(qt_ptrs, qb_ptrs, st_ptrs, sb_ptrs, k_lo, K, t, False)
+        if not W_EARLY:
             pdl_wait(PDL)
-        else:
+        w0 = _mma_loads(qt_ptrs, qb_ptrs, st_ptrs, sb_ptrs, k_lo, K, t, False)  # the first k-step's weight
+        if W_EARLY:  # (it loads while the kernel before finishes)
             pdl_wait(PDL)
-            w0 = _mma_loads(qt_ptrs, qb_ptrs, st_ptrs, sb_ptrs, k_lo, K, t, False)
         if k_lo < k_hi:
             acc = _mma_compute(acc, w0, x_ptrs, x_ok, k_lo, K, t, ROW_TILES, NUM_WARPS, False, USE_ASM, F16)
         for k0 in range(k_lo + 256, k_hi, 256):
