@@ -308,7 +308,8 @@ if HAS_TRITON:
     # session 15). Every small kernel calling it first thing measured slower (the kernels after them
     # launch at once and wait on the SMs: 2-12% slower at 1-32 rows, 1-2% faster at 64); the three of
     # rollout.py that come before a GEMM do (0.8% faster at 8 and 64 rows, and at one row the mma
-    # kernel's first loads then overlap them; session 18).
+    # kernel's first loads then overlap them; session 18), and so does its LoRA B kernel, whose
+    # successor loads a norm weight before its wait (0.3-1.3% faster; session 19).
     @triton.jit
     def pdl_launch_next(PDL: tl.constexpr):
         if PDL:

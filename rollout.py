@@ -72,10 +72,14 @@ wgmma GEMMs let the next kernel launch once they are past their k loop (0.8% off
 those loads overlap the GEMM's split-K epilogue: 5% off the step at batch 1, 4% at batch 8, 0.5% at 64.
 The three kernels before a GEMM (add_rmsnorm, the attention combine, silu_mul) let it launch first thing,
 and the mma kernel loads its first k-step's weight before its wait: 4% more off at batch 1; the early
-launch alone 0.8% at 8 and 64 (session 18). Measured slower and not done: every small kernel launching
-its successor first thing (sessions 8 and 15, before the mma kernel loaded anything early), GEMMs
-prefetching their weights into L2 (sessions 15, 16), and the plain wgmma kernel loading its first k-step
-early, launched early by its K-order kernel (3% slower at batch 8 and 16, session 18).
+launch alone 0.8% at 8 and 64 (session 18). The LoRA B kernel lets add_rmsnorm launch first thing, so
+the norm's weight loads while the B products run: 1.3% off at batch 1, 0.9% at 8, 0.3% at 64 (session
+19). Measured slower and not done: every small kernel launching its successor first thing (sessions 8
+and 15, before the mma kernel loaded anything early), GEMMs prefetching their weights into L2 (sessions
+15, 16), the plain wgmma kernel loading its first k-step early, launched early by its K-order kernel (3%
+slower at batch 8 and 16, session 18), and the attention loading its first block of past cache columns
+before its wait, launched early by rope_write (0.7% faster at batch 1, 0.7-1.3% slower at 8 and 64,
+session 19).
 
 LoRA stays unmerged (the adapters change every RL step; merging would mean re-quantizing the base):
 its A's and B's are copied at the start of every generate() call, in the model's dtype and with
@@ -106,23 +110,24 @@ On the CPU (tests) the same step runs eagerly with torch ops in place of the Tri
 fused op below has its torch reference next to its kernel, and the tests run both (the kernels
 through Triton's interpreter).
 
-Measured (H200, Qwen2.5-7B shape, NVFP4 + LoRA r32 + AQN, results/rollout_h200.md, session 18): batch 1
-runs at 2.39 ms a step against a 1.16 ms floor, batch 8 at 2.69, batch 16 at 2.84, batch 64 at 4.41. In
-that session's profile (eager steps at 128 new tokens, so without the overlap programmatic dependent
-launch gives the graph), batch 1's 2.63 ms of kernel time were fp4_gemm's GEMMs with the LoRA-A products
-riding in them 1.82 (3.67 GB at 2.0 TB/s, the tensor-core `mma` kernel), cuBLAS's lm_head 0.25, and this
-file's kernels 0.55 (attention 0.15, LoRA B 0.11, silu_mul 0.10, add_rmsnorm 0.10, rope_write 0.09); the
-graphed step, its 342 launches overlapping, took 2.47 ms there (before the mma kernel's early loads,
-which took the step at 512 new tokens from 2.48 to 2.38 ms). Without the graph a step costs ~70 ms
-(Python and launch overhead; session 1's measurement). The LoRA-A products as launches of their own in
-line cost 4.2-8.2 µs each (0.47 ms a step, at 3.42 ms a step), inside the GEMM's launch 0.4-3 µs. From 2
-rows they run on the second stream, entirely hidden at batch 8 (3.46 ms of kernel time, 0.70 of it on
-that stream, in a 2.78 ms step at 128 new tokens, session 13). At batch 64 (128 new tokens, session 18)
-the kernels add up to 5.04 ms: the wgmma GEMMs 2.74 (3.67 GB at ~1.3 TB/s), cuBLAS 1.00 (lm_head and the
-LoRA-A products on the second stream, with their split-K reduces), attention 0.54, the K-order launches
-0.17, this file's other kernels 0.58. What remains, in order: the fp4 GEMMs at ~2 TB/s instead of ~4 at
-batch 1 (their compute and loads overlap only in part, at the board's power cap; see fp4_gemm.py), and at
-~1.3 TB/s at batch 64.
+Measured (H200, Qwen2.5-7B shape, NVFP4 + LoRA r32 + AQN, results/rollout_h200.md, session 19): batch 1
+runs at 2.37 ms a step against a 1.16 ms floor, batch 8 at 2.68, batch 16 at 2.83, batch 64 at 4.44. The
+prefill runs the model's own forward, eagerly, and is bound by the host at small batches: 92 ms at batch 1
+(256 tokens) for about 16 ms of GPU work. In session 18's profile (eager steps at 128 new tokens, so
+without the overlap programmatic dependent launch gives the graph), batch 1's 2.63 ms of kernel time were
+fp4_gemm's GEMMs with the LoRA-A products riding in them 1.82 (3.67 GB at 2.0 TB/s, the tensor-core `mma`
+kernel), cuBLAS's lm_head 0.25, and this file's kernels 0.55 (attention 0.15, LoRA B 0.11, silu_mul 0.10,
+add_rmsnorm 0.10, rope_write 0.09); the graphed step, its 342 launches overlapping, took 2.47 ms there
+(before the mma kernel's early loads, which took the step at 512 new tokens from 2.48 to 2.38 ms). Without
+the graph a step costs ~70 ms (Python and launch overhead; session 1's measurement). The LoRA-A products
+as launches of their own in line cost 4.2-8.2 µs each (0.47 ms a step, at 3.42 ms a step), inside the
+GEMM's launch 0.4-3 µs. From 2 rows they run on the second stream, entirely hidden at batch 8 (3.46 ms of
+kernel time, 0.70 of it on that stream, in a 2.78 ms step at 128 new tokens, session 13). At batch 64 (128
+new tokens, session 18) the kernels add up to 5.04 ms: the wgmma GEMMs 2.74 (3.67 GB at ~1.3 TB/s), cuBLAS
+1.00 (lm_head and the LoRA-A products on the second stream, with their split-K reduces), attention 0.54,
+the K-order launches 0.17, this file's other kernels 0.58. What remains, in order: the fp4 GEMMs at ~2
+TB/s instead of ~4 at batch 1 (their compute and loads overlap only in part, at the board's power cap; see
+fp4_gemm.py), and at ~1.3 TB/s at batch 64.
 
 Departures. vLLM (which the official QeRL code uses) pages its KV cache and batches continuously;
 here a batch is static and every row shares the cache's column index (left padding), which keeps the
@@ -480,6 +485,7 @@ def _lora_b_kernel(y_ptr, a_ptr, b_ptr, M, N, A_STRIDE, R: tl.constexpr, BM: tl.
     cm = cols < N
     mk = rm[:, None] & cm[None, :]
     r = tl.arange(0, R)
+    fp4_gemm.pdl_launch_next(PDL)  # add_rmsnorm, which follows, may start loading its weight
     b = tl.load(b_ptr + cols[None, :] * R + r[:, None], mask=cm[None, :], other=0.0)  # (R, BN), before the wait
     fp4_gemm.pdl_wait(PDL)
     a = tl.load(a_ptr + rows[:, None] * A_STRIDE + r[None, :], mask=rm[:, None], other=0.0)  # (BM, R)
