@@ -49,6 +49,7 @@ import shutil
 import signal
 import sys
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -628,7 +629,11 @@ def main(argv=None):
                      reward_overlong=torch.stack([g["overlong"] for g in groups]).mean().item(),
                      accuracy=(correct > 0).float().mean().item())
         update_metrics = update(args, model, optimizer, params, groups, rewards, encode, sigma, noise_seed, gen_device) if groups else {}
-        scheduler.step()
+        # The schedule counts steps, updated or skipped (no informative groups, a NaN): torch warns when it
+        # advances before the optimizer's first step, which here is what is meant.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+            scheduler.step()
         step += 1
         t_total = time.time() - t0
         lengths = torch.cat([g["rollout"].lengths[g["rows"]].cpu() for g in groups]).float() if groups else torch.zeros(1)
