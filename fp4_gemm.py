@@ -305,11 +305,8 @@ if HAS_TRITON:
     # instead of when they have all exited. The GEMMs call it after their k loop: the next kernel's
     # launch then overlaps their split-K epilogue, and as it still waits before reading their output,
     # nothing else changes. 0.8% off a decode step at 1 and 8 rows, none at 64 (results/rollout_h200.md,
-    # session 15). Every small kernel calling it first thing measured slower (the kernels after them
-    # launch at once and wait on the SMs: 2-12% slower at 1-32 rows, 1-2% faster at 64); the three of
-    # rollout.py that come before a GEMM do (0.8% faster at 8 and 64 rows, and at one row the mma
-    # kernel's first loads then overlap them; session 18), and so does its LoRA B kernel, whose
-    # successor loads a norm weight before its wait (0.3-1.3% faster; session 19).
+    # session 15). Which of rollout.py's small kernels call it first thing, and what that measured, is
+    # in rollout.py's docstring.
     @triton.jit
     def pdl_launch_next(PDL: tl.constexpr):
         if PDL:

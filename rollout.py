@@ -65,21 +65,21 @@ On a Hopper GPU every Triton kernel of the step is launched with programmatic de
 anything that kernel writes: the graph can then schedule a kernel while the one before it finishes, which
 hides most of the gap between launches; it took 5-7% off the step at every batch size
 (results/rollout_h200.md, session 8). What a kernel reads that no kernel of the step writes may come
-before its wait (the step's first kernel, the embedding lookup, is a plain launch, so whatever came
-before the step, such as the copies of the adapters, has finished by then). fp4_gemm's mma and plain
-wgmma GEMMs let the next kernel launch once they are past their k loop (0.8% off the step at batch 1 and
-8), and the kernel after a GEMM loads its constants (its LoRA B's; a norm's weight) before the wait, so
-those loads overlap the GEMM's split-K epilogue: 5% off the step at batch 1, 4% at batch 8, 0.5% at 64.
-The three kernels before a GEMM (add_rmsnorm, the attention combine, silu_mul) let it launch first thing,
-and the mma kernel loads its first k-step's weight before its wait: 4% more off at batch 1; the early
-launch alone 0.8% at 8 and 64 (session 18). The LoRA B kernel lets add_rmsnorm launch first thing, so
-the norm's weight loads while the B products run: 1.3% off at batch 1, 0.9% at 8, 0.3% at 64 (session
-19). Measured slower and not done: every small kernel launching its successor first thing (sessions 8
-and 15, before the mma kernel loaded anything early), GEMMs prefetching their weights into L2 (sessions
-15, 16), the plain wgmma kernel loading its first k-step early, launched early by its K-order kernel (3%
-slower at batch 8 and 16, session 18), and the attention loading its first block of past cache columns
-before its wait, launched early by rope_write (0.7% faster at batch 1, 0.7-1.3% slower at 8 and 64,
-session 19).
+before its wait (the step's first kernel, the embedding lookup, is a plain launch, so whatever came before
+the step, such as the copies of the adapters, has finished by then). fp4_gemm's mma and plain wgmma GEMMs
+let the next kernel launch once they are past their k loop (0.8% off the step at batch 1 and 8), and the
+kernel after a GEMM loads its constants (its LoRA B's; a norm's weight) before the wait, so those loads
+overlap the GEMM's split-K epilogue: 5% off the step at batch 1, 4% at batch 8, 0.5% at 64. The three
+kernels before a GEMM (add_rmsnorm, the attention combine, silu_mul) let it launch first thing, and the
+mma kernel loads its first k-step's weight before its wait: 4% more off at batch 1; the early launch alone
+0.8% at 8 and 64 (session 18). The LoRA B kernel lets add_rmsnorm launch first thing, so the norm's weight
+loads while the B products run: 1.3% off at batch 1, 0.9% at 8, 0.3% at 64 (session 19). Measured slower
+and not done: every small kernel launching its successor first thing (the kernels after them wait on the
+SMs: 2-12% slower at 1-32 rows, 1-2% faster at 64; sessions 8 and 15, before the mma kernel loaded
+anything early), GEMMs prefetching their weights into L2 (sessions 15, 16), the plain wgmma kernel loading
+its first k-step early, launched early by its K-order kernel (3% slower at batch 8 and 16, session 18),
+and the attention loading its first block of past cache columns before its wait, launched early by
+rope_write (0.7% faster at batch 1, 0.7-1.3% slower at 8 and 64, session 19).
 
 LoRA stays unmerged (the adapters change every RL step; merging would mean re-quantizing the base):
 its A's and B's are copied at the start of every generate() call, in the model's dtype and with
