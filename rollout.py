@@ -12,8 +12,9 @@ The layout, for P prompts of lengths l_i, n samples each (N = P·n rows, row r =
     cache k, v      (L, N, Hkv, S, D)   allocated once per (N, S) and reused across calls
     prompts         left-padded to Lp = max l_i, so every row writes the same column at every step
     positions       row i's real tokens sit at positions 0 … l_i − 1 whatever its padding pad_i = Lp − l_i
-    prefill         each distinct prompt ONCE (P rows, through the model's own forward), its K/V written
-                    to its n rows of the cache; the first token of each row is sampled from those logits
+    prefill         each distinct prompt ONCE (P rows, the model's forward through the step's fused
+                    projections), its K/V written to its n rows of the cache; the first token of each
+                    row is sampled from those logits
     decode step t   token t−1 of every row enters at column Lp + t − 1, position l_i + t − 1; the row
                     attends to columns [pad_i, Lp + t − 1]; one token per row is sampled
 
@@ -154,8 +155,8 @@ import torch.nn.functional as F
 
 import fp4_gemm  # imported before triton: on a CPU-only machine it switches Triton's interpreter on
 import lora
-from model import (Transformer, load_tokenizer, qwen25_config, read_config, resolve_device, rotate_half,
-                   stop_on_bad_input, stop_token_ids)
+from model import (Transformer, load_tokenizer, qwen25_config, read_config, resolve_device, rope_cos_sin,
+                   rotate_half, stop_on_bad_input, stop_token_ids)
 
 try:
     import triton
@@ -719,8 +720,8 @@ class _State:
 
 
 class _PrefillCache:
-    """The model's cache protocol for the prefill of P distinct prompts: attention over each prompt
-    (causal, left padding masked), and its K/V copied into the n cache rows of its samples."""
+    """The attention of the prefill of P distinct prompts (Decoder.prompt_hidden): over each prompt
+    (causal, left padding masked), its K/V copied into the n cache rows of its samples."""
 
     def __init__(self, st, row0, n, pad, Lp):
         self.st, self.row0, self.n, self.Lp = st, row0, n, Lp
@@ -738,9 +739,6 @@ class _PrefillCache:
         if group > 1:  # expanded heads let SDPA pick a fused kernel for the masked case
             k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
-
-    def advance(self, T):
-        pass
 
 
 # ---------------------------------------------------------------------------------------------
@@ -817,11 +815,7 @@ class Decoder:
                 st.v[layer], M, st.S, Hq, Hkv, a.shape[1] if R else 0, D=D, R=max(R, 16), BM=16, HAS_LORA=R > 0,
                 PREC=self.prec, num_warps=4, **self.pdl)
             return q
-        if grp.R:
-            delta = torch.cat([a[:, s * grp.R:(s + 1) * grp.R] @ b.t()
-                               for s, b in enumerate(grp.B.split(grp.sizes))], -1)
-            qkv = qkv + delta
-        q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], -1)
+        q, k, v = self.add_b(grp, qkv, a).split([Hq * D, Hkv * D, Hkv * D], -1)
         cos, sin, _ = terms
         q, k = q.reshape(M, Hq, D), k.reshape(M, Hkv, D)
         q = q * cos + rotate_half(q) * sin
@@ -853,6 +847,13 @@ class Decoder:
         out = F.scaled_dot_product_attention(q[:, :, None], st.k[layer, :, :, :S], st.v[layer, :, :, :S],
                                              attn_mask=valid[:, None, None], enable_gqa=True)  # (M, Hq, 1, D)
         return out.reshape(M, Hq * D)
+
+    @staticmethod
+    def add_b(grp, y, a):
+        """y + each section's LoRA B product, a[:, s·R:(s+1)·R] @ B_s^T, in torch (y (M, N_total))."""
+        if not grp.R:
+            return y
+        return y + torch.cat([a[:, s * grp.R:(s + 1) * grp.R] @ b.t() for s, b in enumerate(grp.B.split(grp.sizes))], -1)
 
     def silu_mul(self, gu, a, grp):
         """gate|up (M, 2I) + LoRA → silu(gate) * up (M, I)."""
@@ -1006,13 +1007,35 @@ class Decoder:
         for c0 in range(0, P, chunk):
             c1 = min(P, c0 + chunk)
             cache = _PrefillCache(st, c0 * n, n, pad[c0:c1], Lp)
-            h = m.hidden(tokens[c0:c1], positions[c0:c1], cache)  # (p, Lp, H)
-            last.append(m.lm_head(h[:, -1]))  # (p, V)
+            last.append(m.lm_head(self.prompt_hidden(tokens[c0:c1], positions[c0:c1], cache)))  # (p, V)
         logits = torch.cat(last)
         st.pad.copy_(pad.repeat_interleave(n))
         st.counters.zero_()  # sampling output step 0
         self.sample(logits.repeat_interleave(n, 0) if n > 1 else logits, st, sp)
         st.counters.copy_(torch.tensor([Lp, 1], device=dev))
+
+    def prompt_hidden(self, tokens, positions, cache):
+        """The final-normed hidden state at the last position of each prompt, tokens (P, T) → (P, H): the
+        model's forward (Transformer.hidden) through the step's projections (q|k|v and gate|up one GEMM
+        each, the LoRA adapters side by side), which cost half as many launches and host calls as the
+        model's seven linears and their adapters; `cache` attends over the prompts and keeps their K/V."""
+        m, cfg = self.model, self.cfg
+        P, T = tokens.shape
+        Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        x = m.embed_tokens(tokens)  # (P, T, H)
+        cos, sin = rope_cos_sin(positions, m.inv_freq, x.dtype)  # (P, 1, T, D)
+        heads = lambda t, H: t.reshape(P, T, H, D).transpose(1, 2)  # (P·T, H·D) → (P, H, T, D)
+        for i, L in enumerate(self.layers):
+            qkv, a = self.gemm(L.qkv, L.ln1(x).flatten(0, 1))
+            q, k, v = self.add_b(L.qkv, qkv, a).split([Hq * D, Hkv * D, Hkv * D], -1)
+            q, k, v = heads(q, Hq), heads(k, Hkv), heads(v, Hkv)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            o = cache.attend(i, q, k, v).transpose(1, 2).reshape(P * T, Hq * D)
+            x = x + self.project(L.o, o).view(P, T, -1)
+            act = self.silu_mul(*self.gemm(L.gu, L.ln2(x).flatten(0, 1)), L.gu)  # (P·T, I)
+            x = x + self.project(L.down, act).view(P, T, -1)
+        return m.norm(x[:, -1])
 
     @torch.no_grad()
     def run(self, prompts, n, max_new_tokens, sp, seed, stream=None, check_every=16):
