@@ -88,6 +88,8 @@ Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
   1.18x and 0.69x / 0.75x; at M = 256 0.81x / 0.85x and 0.66x / 0.73x. At 1-32 rows it ties or loses,
   also with 8-row tiles and 4-6 stages (the plain kernel's own prefetch keeps up; at one row the mma
   kernel takes 7-26% less time, at 4-8 rows the plain kernel 1-8%).
+  A caller whose own kernel produces x can store it in the K order itself and skip that launch
+  (x_k_order, k_ordered_tile, fp4_linear_k_ordered: rollout's decode step from 33 rows).
   Gluon has no interpreter: on CPU the tests run its PTX on the emulator and check the K order
   against it; on a Hopper GPU they check the kernel against float64.
 - tiled (2 <= M <= 128 where mma and wgmma do not serve: GPUs other than Hopper, or K not a multiple
@@ -694,6 +696,17 @@ if HAS_TRITON:
         phys = (BK // 4) * t + 8 * (c // 2) + 3 - (2 * (c % 2) + b) + 4 * h
         ok = k < K
         tl.store(out_ptr + m * K + k, tl.load(x_ptr + m * stride_xm + ((k - col) + phys) * stride_xk, mask=ok), mask=ok)
+
+    @triton.jit
+    def k_ordered_tile(v, R: tl.constexpr, C: tl.constexpr, BK: tl.constexpr):
+        """A tile v (R, C) of rows of x, C a multiple of BK and starting at a multiple of BK, with its columns
+        in the wgmma kernel's K order (wgmma_k_order), for a kernel that stores x for the warp-specialized
+        wgmma kernel itself (x_k_order): a k-step's column phys = (BK/4) t + 8 j + 4 h + r goes to column
+        16 (2 j + a) + 8 b + 2 t + h with 2 a + b = 3 - r. Moves registers only (through shared memory),
+        so the store stays contiguous."""
+        v = tl.flip(tl.reshape(v, (R, C // BK, 4, BK // 32, 2, 4)), 5)  # (row, step, t, j, h, 2a + b)
+        v = tl.permute(tl.reshape(v, (R, C // BK, 4, BK // 32, 2, 2, 2)), (0, 1, 3, 5, 6, 2, 4))  # (.., j, a, b, t, h)
+        return tl.reshape(v, (R, C))
 
     # ---- the tensor-core GEMV (up to 8 rows of x a program): Marlin's idea as one PTX block ----
     #
@@ -1587,15 +1600,29 @@ def k_ordered(x2, bk, out=None):
     return out
 
 
-def _wgmma_linear(x2, packed, scale_u8, gs, bias, plan):
-    """The wgmma kernel's launch: x permuted along K (k_ordered) into a buffer of at least BT rows (the
-    rows past M never stored: the plain kernel masks them, the TMA copies of the warp-specialized variant
-    read whole tiles), then one launch that also sums its split-K partials. A plan with STAGES runs the
-    warp-specialized variant (TMA descriptors of x, codes and scales)."""
+def _x_rows(M, plan):
+    """Rows of x a wgmma plan's programs read: M rounded up to whole tiles of BT. The rows past M are never
+    stored (the plain kernel masks them, the warp-specialized variant's TMA copies read whole tiles: where
+    a tile crossed the end of x, its zero-filled copy took gate/up at 33 rows from 49 to 72 us, H200,
+    session 20)."""
+    return triton.cdiv(M, plan["BT"]) * plan["BT"]
+
+
+def _wgmma_linear(x2, packed, scale_u8, gs, bias, plan, x_k_ordered=False):
+    """The wgmma kernel's launch: x permuted along K (k_ordered) into a buffer of _x_rows, then one launch
+    that also sums its split-K partials. A plan with STAGES runs the warp-specialized variant (TMA
+    descriptors of x, codes and scales). x_k_ordered: x2 is in that order already, the first M rows of a
+    buffer of _x_rows where its storage holds them (else the TMA copies zero-fill past M)."""
     M, K = x2.shape
     N = packed.shape[0]
     bt, bk, ws = plan["BT"], plan["BLOCK_K"], "STAGES" in plan
-    xp = k_ordered(x2, bk, out=torch.empty(max(M, bt), K, dtype=x2.dtype, device=x2.device))
+    rows = _x_rows(M, plan)
+    if not x_k_ordered:
+        xp = k_ordered(x2, bk, out=torch.empty(rows, K, dtype=x2.dtype, device=x2.device))
+    elif (x2.storage_offset() + rows * K) * x2.element_size() <= x2.untyped_storage().nbytes():
+        xp = x2.as_strided((rows, K), (K, 1))
+    else:
+        xp = x2
     steps = K // bk
     split_steps = triton.cdiv(steps, plan["SPLIT_K"])
     split = triton.cdiv(steps, split_steps)  # (every split non-empty)
@@ -1649,15 +1676,21 @@ def _side_rides(plan, M):
     return plan["kernel"] == "mma" and 0 < M <= 8
 
 
-def triton_linear(x2, packed, scale_u8, gs, bias, plan=None, side=None, constant_weight=False):
+def triton_linear(x2, packed, scale_u8, gs, bias, plan=None, side=None, constant_weight=False,
+                  x_k_ordered=False):
     """y (M, N) = x2 (M, K) @ W^T (+ bias) on the Triton path; `plan` overrides plan_forward.
     side: an optional small (SR, K) matrix in x2's dtype (rollout's LoRA A's); then returns (y, x2 @
     side^T): with the mma kernel (M <= 8) both from one launch; else side_linear's.
     constant_weight: the caller vouches that the kernel just before in the stream does not write the
-    weight, so that the mma kernel may load its first codes before its launch wait (see pdl_wait)."""
+    weight, so that the mma kernel may load its first codes before its launch wait (see pdl_wait).
+    x_k_ordered: x2 is stored in the warp-specialized wgmma kernel's K order (see x_k_order), which the
+    plan must then run."""
     M, K = x2.shape
     N = packed.shape[0]
     plan = _runnable_plan(x2, packed, scale_u8, plan)
+    if x_k_ordered and not (_k_step_of(plan) and x2.is_contiguous() and x2.data_ptr() % 16 == 0 and side is None):
+        raise ValueError(f"fp4_linear: x in K order needs the warp-specialized wgmma kernel's plan and a contiguous, "
+                         f"16-byte aligned x, not {plan} for x {tuple(x2.shape)}")
     if side is not None and not _side_rides(plan, M):
         y = triton_linear(x2, packed, scale_u8, gs, bias, plan, constant_weight=constant_weight)
         return y, side_linear(x2, side)
@@ -1668,7 +1701,7 @@ def triton_linear(x2, packed, scale_u8, gs, bias, plan=None, side=None, constant
         w = dequantize_triton(packed, scale_u8, gs, x2.dtype, plan.get("DQ"))  # (N, K): this layer only, freed on return
         return torch.nn.functional.linear(x2, w, bias.to(x2.dtype) if bias is not None else None)
     if plan["kernel"] == "wgmma":
-        return _wgmma_linear(x2, packed, scale_u8, gs, bias, plan)
+        return _wgmma_linear(x2, packed, scale_u8, gs, bias, plan, x_k_ordered)
     ker = _kernels(x2.device)
     split = plan.get("SPLIT_K", 1)
     bk = plan.get("BLOCK_K", 256)  # the mma kernel's k-step is 256
@@ -1833,6 +1866,38 @@ def fp4_linear_side(x, q, bias, side):
         return triton_linear(x, q.packed, q.scale.view(torch.uint8), q.global_scale.float(), bias, side=side,
                              constant_weight=True)
     return _torch_linear(x, q.packed, q.scale, q.global_scale, bias), torch.nn.functional.linear(x, side)
+
+
+def _k_step_of(plan):
+    """The k-step of a warp-specialized wgmma plan (its x in that K order), else 0."""
+    return plan["BLOCK_K"] if plan["kernel"] == "wgmma" and "STAGES" in plan else 0
+
+
+def x_k_order(M, q, dtype, device):
+    """For M rows of x in `dtype` against the NVFP4 weight q: (k_step, rows) where the plan's kernel is the
+    warp-specialized wgmma one (33-256 rows on Hopper), which reads x in the K order (wgmma_k_order) of
+    its k-steps and in whole tiles of rows; else (0, M). A caller whose own kernel produces x may store it
+    in that order (k_ordered_tile), as the first M rows of a buffer of `rows`, and call
+    fp4_linear_k_ordered, which then skips the K-order launch: rollout's decode step, where that took a
+    7B step at 64 rows from 4.41-4.54 to 4.29-4.36 ms and at 128 from 6.55 to 6.23 (H200,
+    results/rollout_h200.md, session 20). The plain wgmma kernel (2-32 rows) is not offered: there the
+    step was 3-6% slower without the K-order launch (probably because the GEMM then follows the fork of
+    rollout's second stream directly, which the K-order launch used to absorb; not looked into)."""
+    N, K = q.packed.shape[0], q.packed.shape[1] * 2
+    if device.type != "cuda" or _choice["backend"] == "torch" or not HAS_TRITON:
+        return 0, M
+    plan = plan_forward(M, N, K, dtype, device)
+    if not (_k_step_of(plan) and _tma_fits(q.packed, q.scale.view(torch.uint8))):
+        return 0, M
+    return _k_step_of(plan), _x_rows(M, plan)
+
+
+def fp4_linear_k_ordered(x, q, bias=None):
+    """x @ dequantize(q).T + bias for 2-D x stored as x_k_order(len(x), q, ...) says (its k_step > 0):
+    the warp-specialized wgmma kernel without the launch that orders x. Not differentiable; rollout's
+    decode step."""
+    _check(x, q.packed, q.scale, q.global_scale)
+    return triton_linear(x, q.packed, q.scale.view(torch.uint8), q.global_scale.float(), bias, x_k_ordered=True)
 
 
 def fp4_linear(x, q, bias=None):

@@ -48,18 +48,22 @@ has finished). The step per layer, with the launches it costs:
     act     = silu_mul(gu + a·B^T)                   1   LoRA B, SiLU, product
     delta   = down(act) + LoRA                     2 (+1)
 
-so 12 launches a layer for an NVFP4 base where fp4_gemm's plan runs its mma kernel (one row on a
-Hopper GPU, up to 8 elsewhere; 342 a step for Qwen2.5-7B), whose launch also computes the GEMM's LoRA
-A product (fp4_gemm.fp4_linear_side). The (+1)s: everywhere else (a bf16 base; NVFP4 on the other
-kernels) the LoRA A products are cuBLAS launches on a second stream, which runs them while the GEMM
-runs and rejoins before the LoRA B kernel reads them; so 16 launches a layer, 4 of them beside the
-GEMMs, and 4 more for NVFP4 from 2 rows on a Hopper GPU, where each of
-fp4_gemm's wgmma GEMMs first puts x in its K order in a launch of its own (fp4_gemm.k_ordered). Off
-the critical path the products cost nearly nothing: in same-run comparisons the second stream took
-8-10% off the step at batch 32 and 64 for NVFP4 (against its earlier way of riding them in the
-K-order launch) and at batch 16 and 64 for bf16 (results/rollout_h200.md, session 10). The stream
-runs cuBLAS only: fp4_gemm's split-K kernels share one buffer of ticket counters, and two of them side
-by side would corrupt each other's sums.
+so 12 launches a layer for an NVFP4 base where fp4_gemm's plan runs its mma kernel (one row on a Hopper
+GPU, up to 8 elsewhere; 342 a step for Qwen2.5-7B), whose launch also computes the GEMM's LoRA A product
+(fp4_gemm.fp4_linear_side). The (+1)s: everywhere else (a bf16 base; NVFP4 on the other kernels) the
+LoRA A products are cuBLAS launches on a second stream, which runs them while the GEMM runs and rejoins
+before the LoRA B kernel reads them; so 16 launches a layer, 4 of them beside the GEMMs, and 4 more for
+NVFP4 at 2-32 rows on a Hopper GPU, where each of fp4_gemm's wgmma GEMMs first puts x in its K order in
+a launch of its own (fp4_gemm.k_ordered). From 33 rows (fp4_gemm's warp-specialized wgmma kernel,
+fp4_gemm.x_k_order) the op before each GEMM stores x in that order itself (its tile's columns moved in
+registers, fp4_gemm.k_ordered_tile; rows padded to the GEMM's tiles of x, whose TMA copies would
+zero-fill past the end, slowly), and the LoRA A product reads A's columns in the same order: 2.5% off
+the step at batch 64, 5% at 128, a tie at 33 (session 20). Not at 2-32 rows: there dropping the K-order
+launch made the step 3-6% slower. Off the critical path the products cost nearly nothing: in same-run
+comparisons the second stream took 8-10% off the step at batch 32 and 64 for NVFP4 (against its earlier
+way of riding them in the K-order launch) and at batch 16 and 64 for bf16 (results/rollout_h200.md,
+session 10). The stream runs cuBLAS only: fp4_gemm's split-K kernels share one buffer of ticket
+counters, and two of them side by side would corrupt each other's sums.
 
 On a Hopper GPU every Triton kernel of the step is launched with programmatic dependent launch
 (fp4_gemm.pdl_opts) and waits for the kernel before it on the GPU (fp4_gemm.pdl_wait) before it reads
@@ -111,24 +115,27 @@ On the CPU (tests) the same step runs eagerly with torch ops in place of the Tri
 fused op below has its torch reference next to its kernel, and the tests run both (the kernels
 through Triton's interpreter).
 
-Measured (H200, Qwen2.5-7B shape, NVFP4 + LoRA r32 + AQN, results/rollout_h200.md, session 19): batch 1
-runs at 2.37 ms a step against a 1.16 ms floor, batch 8 at 2.68, batch 16 at 2.83, batch 64 at 4.44. The
-prefill runs the model's own forward, eagerly, and is bound by the host at small batches: 92 ms at batch 1
-(256 tokens) for about 16 ms of GPU work. In session 18's profile (eager steps at 128 new tokens, so
-without the overlap programmatic dependent launch gives the graph), batch 1's 2.63 ms of kernel time were
-fp4_gemm's GEMMs with the LoRA-A products riding in them 1.82 (3.67 GB at 2.0 TB/s, the tensor-core `mma`
-kernel), cuBLAS's lm_head 0.25, and this file's kernels 0.55 (attention 0.15, LoRA B 0.11, silu_mul 0.10,
-add_rmsnorm 0.10, rope_write 0.09); the graphed step, its 342 launches overlapping, took 2.47 ms there
-(before the mma kernel's early loads, which took the step at 512 new tokens from 2.48 to 2.38 ms). Without
-the graph a step costs ~70 ms (Python and launch overhead; session 1's measurement). The LoRA-A products
-as launches of their own in line cost 4.2-8.2 µs each (0.47 ms a step, at 3.42 ms a step), inside the
-GEMM's launch 0.4-3 µs. From 2 rows they run on the second stream, entirely hidden at batch 8 (3.46 ms of
-kernel time, 0.70 of it on that stream, in a 2.78 ms step at 128 new tokens, session 13). At batch 64 (128
-new tokens, session 18) the kernels add up to 5.04 ms: the wgmma GEMMs 2.74 (3.67 GB at ~1.3 TB/s), cuBLAS
-1.00 (lm_head and the LoRA-A products on the second stream, with their split-K reduces), attention 0.54,
-the K-order launches 0.17, this file's other kernels 0.58. What remains, in order: the fp4 GEMMs at ~2
-TB/s instead of ~4 at batch 1 (their compute and loads overlap only in part, at the board's power cap; see
-fp4_gemm.py), and at ~1.3 TB/s at batch 64.
+Measured (H200, Qwen2.5-7B shape, NVFP4 + LoRA r32 + AQN, results/rollout_h200.md, sessions 19 and 20):
+batch 1 runs at 2.37 ms a step against a 1.16 ms floor, batch 8 at 2.68-2.76, batch 16 at 2.83, batch 64
+at 4.35. The prefill runs eagerly through the step's fused projections (since session 20; the model's
+own seven linears a layer took 99 instead of 75 ms for one 256-token prompt, 77 instead of 63 for 8) and
+is bound by the host at small batches: about 11 ms of GPU work at one prompt. Captured in a CUDA graph
+it replayed in 11 ms, but its capture costs one eager run, and prompt shapes rarely repeat. In session
+18's profile (eager steps at 128 new tokens, so without the overlap programmatic dependent launch gives
+the graph), batch 1's 2.63 ms of kernel time were fp4_gemm's GEMMs with the LoRA-A products riding in
+them 1.82 (3.67 GB at 2.0 TB/s, the tensor-core `mma` kernel), cuBLAS's lm_head 0.25, and this file's
+kernels 0.55 (attention 0.15, LoRA B 0.11, silu_mul 0.10, add_rmsnorm 0.10, rope_write 0.09); the
+graphed step, its 342 launches overlapping, took 2.47 ms there (before the mma kernel's early loads,
+which took the step at 512 new tokens from 2.48 to 2.38 ms). Without the graph a step costs ~70 ms
+(Python and launch overhead; session 1's measurement). The LoRA-A products as launches of their own in
+line cost 4.2-8.2 µs each (0.47 ms a step, at 3.42 ms a step), inside the GEMM's launch 0.4-3 µs. From 2
+rows they run on the second stream, entirely hidden at batch 8 (3.46 ms of kernel time, 0.70 of it on
+that stream, in a 2.78 ms step at 128 new tokens, session 13). At batch 64 (128 new tokens, session 18)
+the kernels add up to 5.04 ms: the wgmma GEMMs 2.74 (3.67 GB at ~1.3 TB/s), cuBLAS 1.00 (lm_head and the
+LoRA-A products on the second stream, with their split-K reduces), attention 0.54, the K-order launches
+0.17, this file's other kernels 0.58. What remains, in order: the fp4 GEMMs at ~2 TB/s instead of ~4 at
+batch 1 (their compute and loads overlap only in part, at the board's power cap; see fp4_gemm.py), and
+at ~1.3 TB/s at batch 64.
 
 Departures. vLLM (which the official QeRL code uses) pages its KV cache and batches continuously;
 here a batch is static and every row shares the cache's column index (left padding), which keeps the
@@ -282,8 +289,9 @@ def _jit(fn):
 
 @_jit
 def _add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, xout_ptr, out_ptr, H, eps,
-                        HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """One row: x += delta (rounded to the model dtype, as the model's residual add), then RMSNorm."""
+                        HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, K_STEP: tl.constexpr, PDL: tl.constexpr):
+    """One row: x += delta (rounded to the model dtype, as the model's residual add), then RMSNorm (stored
+    in the next GEMM's K order if K_STEP: see Decoder.gemm)."""
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     m = offs < H
@@ -297,8 +305,10 @@ def _add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, xout_ptr, out_ptr, H, eps,
         tl.store(xout_ptr + row * H + offs, x, mask=m)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / H
-    y = xf * tl.rsqrt(var + eps) * w
-    tl.store(out_ptr + row * H + offs, y.to(out_ptr.dtype.element_ty), mask=m)
+    y = (xf * tl.rsqrt(var + eps) * w).to(out_ptr.dtype.element_ty)
+    if K_STEP:  # (H a multiple of K_STEP: the padding past H stays past H)
+        y = tl.reshape(fp4_gemm.k_ordered_tile(tl.reshape(y, (1, BLOCK)), 1, BLOCK, K_STEP), (BLOCK,))
+    tl.store(out_ptr + row * H + offs, y, mask=m)
 
 
 @_jit
@@ -351,6 +361,9 @@ def _rope_write_kernel(qkv_ptr, a_ptr, b_ptr, cos_ptr, sin_ptr, pad_ptr, counter
 
 
 SHARE_PROMPTS = True  # the n samples of a prompt attend over it together (False: each row alone, for comparisons)
+# the kernels before a warp-specialized wgmma GEMM store its x in the GEMM's K order (False: fp4_gemm's own
+# launch orders it, for comparisons; see Decoder.gemm)
+ORDER_X = True
 # query heads (rows of a group x heads of a kv head) one program takes over a shared prompt: 32 and 64 ran at
 # the same speed (results/rollout_h200.md, session 16), 64 with register spills
 SHARED_HEADS = 32
@@ -428,28 +441,36 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, pad_ptr, done_ptr, counters_ptr,
 
 @_jit
 def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, NSPLIT, STRIDE, NS_PAD: tl.constexpr, D: tl.constexpr,
-                         PDL: tl.constexpr):
-    """Program (row, q head): merge the partial softmaxes of its first NSPLIT slots into the attention output."""
-    row = tl.program_id(0)
+                         HEADS: tl.constexpr, K_STEP: tl.constexpr, PDL: tl.constexpr):
+    """Program p: HEADS (row, q head) pairs p·HEADS … of the flattened (rows, Hq): merge the partial
+    softmaxes of each one's first NSPLIT slots into the attention output (HEADS·D columns of a row, stored
+    in the o GEMM's K order if K_STEP)."""
+    row = tl.program_id(0) * HEADS + tl.arange(0, HEADS)
     fp4_gemm.pdl_launch_next(PDL)  # the o GEMM may start loading its weights
     fp4_gemm.pdl_wait(PDL)
     s = tl.arange(0, NS_PAD)
-    sm = s < NSPLIT
+    sm = s[None, :] < NSPLIT
     d = tl.arange(0, D)
-    m = tl.load(m_ptr + row * STRIDE + s, mask=sm, other=float("-inf"))
-    mx = tl.max(m, 0)
-    w = tl.where(m > float("-inf"), tl.exp(m - mx), 0.0)  # empty chunks (and finished rows) weigh 0
-    den = tl.sum(tl.load(l_ptr + row * STRIDE + s, mask=sm, other=0.0) * w, 0)
+    slot = row[:, None] * STRIDE + s[None, :]  # (HEADS, NS_PAD)
+    m = tl.load(m_ptr + slot, mask=sm, other=float("-inf"))
+    mx = tl.max(m, 1)
+    w = tl.where(m > float("-inf"), tl.exp(m - mx[:, None]), 0.0)  # empty chunks (and finished rows) weigh 0
+    den = tl.sum(tl.load(l_ptr + slot, mask=sm, other=0.0) * w, 1)
     full = sm & (m > float("-inf"))  # (an empty slot's values were not written)
-    acc = tl.load(acc_ptr + (row * STRIDE + s)[:, None] * D + d[None, :], mask=full[:, None], other=0.0)
-    o = tl.sum(acc * w[:, None], 0) / tl.maximum(den, 1e-30)
-    tl.store(out_ptr + row * D + d, o.to(out_ptr.dtype.element_ty))
+    acc = tl.load(acc_ptr + slot[:, :, None] * D + d[None, None, :], mask=full[:, :, None], other=0.0)
+    o = tl.sum(acc * w[:, :, None], 1) / tl.maximum(den, 1e-30)[:, None]  # (HEADS, D)
+    o = tl.reshape(o.to(out_ptr.dtype.element_ty), (1, HEADS * D))
+    if K_STEP:  # (HEADS·D a multiple of K_STEP)
+        o = fp4_gemm.k_ordered_tile(o, 1, HEADS * D, K_STEP)
+    tl.store(out_ptr + tl.program_id(0) * HEADS * D + tl.arange(0, HEADS * D)[None, :], o)
 
 
 @_jit
 def _silu_mul_kernel(gu_ptr, a_ptr, b_ptr, out_ptr, M, I, A_STRIDE, R: tl.constexpr, BM: tl.constexpr,
-                     BN: tl.constexpr, HAS_LORA: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
-    """Tile (rows, cols) of silu(gate) * up, with gate|up = the fused GEMM's output + LoRA B products."""
+                     BN: tl.constexpr, HAS_LORA: tl.constexpr, PREC: tl.constexpr, K_STEP: tl.constexpr,
+                     PDL: tl.constexpr):
+    """Tile (rows, cols) of silu(gate) * up, with gate|up = the fused GEMM's output + LoRA B products (stored
+    in the down GEMM's K order if K_STEP)."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     rm = rows < M
@@ -472,7 +493,10 @@ def _silu_mul_kernel(gu_ptr, a_ptr, b_ptr, out_ptr, M, I, A_STRIDE, R: tl.conste
     g = g.to(dt).to(tl.float32)
     u = u.to(dt).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # F.silu in the model dtype, then the product
-    tl.store(out_ptr + rows[:, None] * I + cols[None, :], (act * u).to(dt), mask=mk)
+    out = (act * u).to(dt)
+    if K_STEP:  # (BN a multiple of K_STEP)
+        out = fp4_gemm.k_ordered_tile(out, BM, BN, K_STEP)
+    tl.store(out_ptr + rows[:, None] * I + cols[None, :], out, mask=mk)
 
 
 @_jit
@@ -587,6 +611,20 @@ def _sample_final_kernel(logits_ptr, V, inv_t, pm_ptr, ps_ptr, pbest_ptr, pidx_p
 # The decode plan: per layer, the model's linears regrouped by shared input
 # ---------------------------------------------------------------------------------------------
 
+NATURAL = (0, 0)  # an op's output as it is: (k_step, rows) = no K order, M rows (Decoder.x_orders)
+
+
+def _output(M, K, order, like):
+    """An op's output (M, K): the first M rows of a buffer of order[1] rows where that is more."""
+    return torch.empty(max(M, order[1]), K, dtype=like.dtype, device=like.device)[:M]
+
+
+def _in_k_order(t, k_step):
+    """t (M, K) with its columns in fp4_gemm's K order for k-steps of k_step (what the kernels store with
+    K_STEP), or t itself for k_step 0."""
+    return t[:, fp4_gemm.wgmma_k_order(t.shape[1], k_step, t.device)] if k_step else t
+
+
 def _pow2(x):
     return 1 << max(0, math.ceil(math.log2(max(1, x))))
 
@@ -609,6 +647,7 @@ class _Group:
             K = bases[0].in_features
             self.A = torch.zeros(len(mods) * self.R, K, dtype=dtype, device=dev)  # (sections·R, K)
             self.B = torch.zeros(sum(self.sizes), self.R, dtype=dtype, device=dev)  # (N_total, R)
+        self.A_k = None  # A's columns in its GEMM's K order (k_ordered_A)
 
     @staticmethod
     def _fuse(bases):
@@ -655,6 +694,18 @@ class _Group:
                 self.A[s * self.R: s * self.R + r].copy_(lo.lora_A.weight)
                 self.B[row: row + n, :r].copy_(lo.lora_B.weight * lo.scaling)
             row += n
+        if self.A_k is not None:
+            self.A_k.copy_(self.A[:, self.k_order])
+
+    def k_ordered_A(self, k_step):
+        """A with its columns in fp4_gemm's K order for k-steps of k_step (x_ordered @ A_k^T = x @ A^T), for
+        x stored in that order; refresh keeps it up to date from then on."""
+        if self.A_k is None:
+            self.k_step, self.k_order = k_step, fp4_gemm.wgmma_k_order(self.A.shape[1], k_step, self.A.device)
+            self.A_k = self.A[:, self.k_order]
+        if k_step != self.k_step:
+            raise ValueError(f"one K order a group: k-steps of {self.k_step}, then {k_step}")
+        return self.A_k
 
 
 class _Layer:
@@ -717,6 +768,11 @@ class _State:
         self.sm_idx = torch.zeros(N, self.v_split, dtype=torch.int32, device=dev)
         self.host_col = None  # the current column when known on the host (eager steps), else None
         self.graphs = {}
+        self.x_orders = [dec.x_orders(L, N) for L in dec.layers]  # per layer: (q|k|v, o, gate|up, down)
+        for L, orders in zip(dec.layers, self.x_orders):
+            for grp, (k_step, _) in zip(L.groups, orders):
+                if k_step and grp.R:
+                    grp.k_ordered_A(k_step)  # (allocated here, filled by every refresh)
 
 
 class _PrefillCache:
@@ -774,22 +830,34 @@ class Decoder:
         self.max_states = max_states
         self.pool = None
 
-    # --- the fused ops; each has its torch reference (CPU) and its Triton kernel --------------
+    def x_orders(self, layer, N):
+        """For N rows, per group of a layer (q|k|v, o, gate|up, down): how the op before the group's GEMM
+        stores x for it, (k_step, rows) (fp4_gemm.x_k_order: for the warp-specialized wgmma kernel, 33-256
+        rows on Hopper, in the K order of its k-steps, as the first N rows of a buffer of `rows`), or
+        NATURAL (x as it is)."""
+        if not (ORDER_X and self.triton and self.device.type == "cuda"):
+            return (NATURAL,) * len(layer.groups)
+        return tuple(fp4_gemm.x_k_order(N, g.gemm.q, self.dtype, self.device)
+                     if isinstance(g.gemm, fp4_gemm.QuantLinear) else NATURAL for g in layer.groups)
 
-    def add_rmsnorm(self, x, delta, norm):
+    # --- the fused ops; each has its torch reference (CPU) and its Triton kernel --------------
+    # (order = (k_step > 0, rows): the op stores its output in fp4_gemm's K order for the GEMM that reads
+    # it, see gemm)
+
+    def add_rmsnorm(self, x, delta, norm, order=NATURAL):
         """x + delta (the residual stream, model dtype) and RMSNorm of it → (new x, normed)."""
         w, eps = norm.weight, norm.eps
         if self.triton:
             M, H = x.shape
             xo = torch.empty_like(x) if delta is not None else x
-            out = torch.empty_like(x)
+            out = _output(M, H, order, x)
             _add_rmsnorm_kernel[(M,)](x, delta if delta is not None else x, w, xo, out, H, eps,
-                                      HAS_DELTA=delta is not None, BLOCK=_pow2(H), num_warps=8 if H > 2048 else 4,
-                                      **self.pdl)
+                                      HAS_DELTA=delta is not None, BLOCK=_pow2(H), K_STEP=order[0],
+                                      num_warps=8 if H > 2048 else 4, **self.pdl)
             return xo, out
         if delta is not None:
             x = x + delta
-        return x, norm(x)
+        return x, _in_k_order(norm(x), order[0])
 
     def step_terms(self, st):
         """What the torch path's layers share within a step, computed once: the rotary cos / sin at each
@@ -825,7 +893,7 @@ class Decoder:
         st.v[layer].index_copy_(2, col, v.reshape(M, Hkv, 1, D))
         return q
 
-    def attention(self, q, st, layer, terms):
+    def attention(self, q, st, layer, terms, order=NATURAL):
         """q (M, Hq, D) against this layer's cache columns [pad_b, col] → (M, Hq·D)."""
         M, Hq, D = q.shape
         Hkv = self.cfg.num_kv_heads
@@ -838,15 +906,18 @@ class Decoder:
                 CHUNK=st.attn_chunk, BLOCK_N=64, N_GROUP=st.n, ROWS=rows, Q_PAD=max(16, _pow2(rows * G)),
                 PREC=self.prec, num_warps=4, **self.pdl)
             slots = st.attn_split * (2 if st.n > 1 else 1)
-            out = torch.empty(M, Hq * D, dtype=q.dtype, device=q.device)
-            _attn_combine_kernel[(M * Hq,)](st.attn_m, st.attn_l, st.attn_acc, out, slots, st.attn_m.shape[1],
-                                            NS_PAD=_pow2(slots), D=D, num_warps=4, **self.pdl)
+            out = _output(M, Hq * D, order, q)
+            k_step = order[0]
+            heads = max(1, k_step // D)  # (a program stores whole k-steps)
+            _attn_combine_kernel[(M * Hq // heads,)](st.attn_m, st.attn_l, st.attn_acc, out, slots,
+                                                     st.attn_m.shape[1], NS_PAD=_pow2(slots), D=D, HEADS=heads,
+                                                     K_STEP=k_step, num_warps=4, **self.pdl)
             return out
         valid = terms[2]  # (M, S)
         S = valid.shape[1]
         out = F.scaled_dot_product_attention(q[:, :, None], st.k[layer, :, :, :S], st.v[layer, :, :, :S],
                                              attn_mask=valid[:, None, None], enable_gqa=True)  # (M, Hq, 1, D)
-        return out.reshape(M, Hq * D)
+        return _in_k_order(out.reshape(M, Hq * D), order[0])
 
     @staticmethod
     def add_b(grp, y, a):
@@ -855,50 +926,59 @@ class Decoder:
             return y
         return y + torch.cat([a[:, s * grp.R:(s + 1) * grp.R] @ b.t() for s, b in enumerate(grp.B.split(grp.sizes))], -1)
 
-    def silu_mul(self, gu, a, grp):
+    def silu_mul(self, gu, a, grp, order=NATURAL):
         """gate|up (M, 2I) + LoRA → silu(gate) * up (M, I)."""
         M, I = gu.shape[0], gu.shape[1] // 2
         if self.triton:
-            out = torch.empty(M, I, dtype=gu.dtype, device=gu.device)
-            R = grp.R
-            _silu_mul_kernel[(triton.cdiv(M, 16), triton.cdiv(I, 128))](
+            out = _output(M, I, order, gu)
+            R, k_step = grp.R, order[0]
+            bn = max(128, k_step)  # (a tile stores whole k-steps)
+            _silu_mul_kernel[(triton.cdiv(M, 16), triton.cdiv(I, bn))](
                 gu, a if R else gu, grp.B if R else gu, out, M, I, a.shape[1] if R else 0, R=max(R, 16), BM=16,
-                BN=128, HAS_LORA=R > 0, PREC=self.prec, num_warps=4, **self.pdl)
+                BN=bn, HAS_LORA=R > 0, PREC=self.prec, K_STEP=k_step, num_warps=4, **self.pdl)
             return out
         g, u = gu.split(I, -1)
         if grp.R:
             bg, bu = grp.B.split(I)
             g = g + a[:, : grp.R] @ bg.t()
             u = u + a[:, grp.R:] @ bu.t()
-        return F.silu(g) * u
+        return _in_k_order(F.silu(g) * u, order[0])
 
-    def gemm(self, grp, x):
+    def gemm(self, grp, x, order=NATURAL):
         """A group's base GEMM and a = x @ A^T (M, sections·R) of its adapters (None without LoRA). An
         NVFP4 group whose GEMM can carry it (the mma kernel: fp4_gemm.side_rides_along)
         computes a in the GEMM's own launch (fp4_gemm.fp4_linear_side).
         Otherwise, on the GPU, cuBLAS computes a on a second stream while the GEMM runs, and the stream
-        rejoins before a is read."""
+        rejoins before a is read.
+        order[0] = k_step > 0: x comes in the K order of the group's warp-specialized wgmma kernel
+        (x_orders), as the op before stored it, so fp4_gemm skips its own launch that orders x, and a
+        reads A's columns in the same order."""
+        k_step = order[0]
+        base, A = grp.gemm, grp.A if grp.R else None
+        if k_step:
+            base = lambda x: fp4_gemm.fp4_linear_k_ordered(x, grp.gemm.q, grp.gemm.bias)
+            A = grp.k_ordered_A(k_step) if grp.R else None
         if not grp.R:
-            return grp.gemm(x), None
+            return base(x), None
         if not self.triton:
-            return grp.gemm(x), F.linear(x, grp.A)
-        if isinstance(grp.gemm, fp4_gemm.QuantLinear) and (self.side_stream is None
-                                                           or fp4_gemm.side_rides_along(x, grp.gemm.q)):
-            return fp4_gemm.fp4_linear_side(x, grp.gemm.q, grp.gemm.bias, grp.A)
+            return base(x), F.linear(x, A)
+        if not k_step and isinstance(grp.gemm, fp4_gemm.QuantLinear) and (
+                self.side_stream is None or fp4_gemm.side_rides_along(x, grp.gemm.q)):
+            return fp4_gemm.fp4_linear_side(x, grp.gemm.q, grp.gemm.bias, A)
         if self.side_stream is None:  # (CPU tensors: Triton's interpreter)
-            return grp.gemm(x), fp4_gemm.side_linear(x, grp.A)
+            return base(x), fp4_gemm.side_linear(x, A)
         main = torch.cuda.current_stream(x.device)
-        a = torch.empty(x.shape[0], grp.A.shape[0], dtype=x.dtype, device=x.device)  # (allocated on main)
+        a = torch.empty(x.shape[0], A.shape[0], dtype=x.dtype, device=x.device)  # (allocated on main)
         self.side_stream.wait_stream(main)
         with torch.cuda.stream(self.side_stream):  # cuBLAS: no split-K counters shared with fp4_gemm's kernels
-            torch.matmul(x, grp.A.t(), out=a)
-        y = grp.gemm(x)
+            torch.matmul(x, A.t(), out=a)
+        y = base(x)
         main.wait_stream(self.side_stream)
         return y, a
 
-    def project(self, grp, x):
+    def project(self, grp, x, order=NATURAL):
         """A single-linear group (o, down): base GEMM + LoRA, the B product added in place."""
-        y, a = self.gemm(grp, x)
+        y, a = self.gemm(grp, x, order)
         if not grp.R:
             return y
         if self.triton:
@@ -948,12 +1028,13 @@ class Decoder:
         delta = None
         terms = None if self.triton else self.step_terms(st)
         for i, L in enumerate(self.layers):
-            x, h = self.add_rmsnorm(x, delta, L.ln1)
-            q = self.rope_write(*self.gemm(L.qkv, h), L.qkv, st, i, terms)  # (N, Hq, D)
-            delta = self.project(L.o, self.attention(q, st, i, terms))  # (N, H)
-            x, h = self.add_rmsnorm(x, delta, L.ln2)
-            act = self.silu_mul(*self.gemm(L.gu, h), L.gu)  # (N, I)
-            delta = self.project(L.down, act)
+            to_qkv, to_o, to_gu, to_down = st.x_orders[i]  # how each GEMM's x is stored (x_orders)
+            x, h = self.add_rmsnorm(x, delta, L.ln1, to_qkv)
+            q = self.rope_write(*self.gemm(L.qkv, h, to_qkv), L.qkv, st, i, terms)  # (N, Hq, D)
+            delta = self.project(L.o, self.attention(q, st, i, terms, to_o), to_o)  # (N, H)
+            x, h = self.add_rmsnorm(x, delta, L.ln2, to_gu)
+            act = self.silu_mul(*self.gemm(L.gu, h, to_gu), L.gu, to_down)  # (N, I)
+            delta = self.project(L.down, act, to_down)
         _, h = self.add_rmsnorm(x, delta, m.norm)
         self.sample(m.lm_head(h), st, sp)
         st.counters.add_(1)

@@ -743,3 +743,14 @@ def test_k_ordered_kernel_is_wgmma_k_order(M, K, bk, dtype, strided, poisoned):
     x = x[:, ::2] if strided else x[:, :K]
     got = fp4_gemm.k_ordered(x, bk)
     assert torch.equal(got, x.index_select(1, fp4_gemm.wgmma_k_order(K, bk, x.device)))
+
+
+def test_x_in_k_order_needs_the_warp_specialized_kernel():
+    """fp4_linear_k_ordered takes x in the warp-specialized wgmma kernel's K order only where the plan
+    runs that kernel (x_k_order's k_step > 0: 33-256 rows on a Hopper GPU); anywhere else it refuses rather than
+    multiply a permuted x."""
+    q = nvfp4.quantize(torch.randn(64, 256, generator=torch.Generator().manual_seed(0)))
+    x = torch.randn(40, 256, dtype=torch.bfloat16)
+    assert fp4_gemm.x_k_order(40, q, torch.bfloat16, x.device) == (0, 40)
+    with fp4_gemm.backend("triton"), pytest.raises(ValueError, match="K order"):
+        fp4_gemm.fp4_linear_k_ordered(x, q)

@@ -211,6 +211,39 @@ def test_samples_of_a_prompt_read_its_cached_prompt_together(hf_folder, monkeypa
     assert not torch.equal(ref.tokens[0], ref.tokens[1])  # the rows of a group did sample apart
 
 
+@interpreted
+@pytest.mark.parametrize("k_step", [32, 64])
+def test_ops_store_their_output_in_the_next_gemms_k_order(hf_folder, k_step):
+    """With k_step the kernels before a GEMM (add_rmsnorm, the attention, silu_mul) store their output in
+    fp4_gemm's K order (what the warp-specialized wgmma kernel reads, so that its own ordering launch
+    is skipped on the GPU): exactly the natural output gathered by wgmma_k_order, on both paths; the
+    Triton path as the first rows of a buffer of 8 (the rows the GEMM's tiles of x read)."""
+    _, model = load(hf_folder, seed=5, intermediate_size=128)
+    g = torch.Generator().manual_seed(6)
+    rnd = lambda *shape: torch.randn(*shape, generator=g)
+    for kernels in ("triton", "torch"):
+        dec = rollout.Decoder(model, kernels=kernels, graphs=False)
+        order = lambda t: t[:, fp4_gemm.wgmma_k_order(t.shape[1], k_step, t.device)]
+        x, delta = rnd(5, 64), rnd(5, 64)
+        norm = dec.layers[0].ln2
+        assert torch.equal(dec.add_rmsnorm(x, delta, norm, (k_step, 8))[1], order(dec.add_rmsnorm(x, delta, norm)[1]))
+        grp = dec.layers[0].gu
+        grp.refresh()
+        gu, a = rnd(5, 256), rnd(5, 2 * grp.R)
+        assert torch.equal(dec.silu_mul(gu, a, grp, (k_step, 8)), order(dec.silu_mul(gu, a, grp)))
+        st = dec.state(3, 128)
+        st.k.normal_(generator=g)
+        st.v.normal_(generator=g)
+        st.counters.copy_(torch.tensor([9, 1]))
+        st.pad.copy_(torch.tensor([0, 2, 5]))
+        q = rnd(3, 2, 32)
+        terms = None if dec.triton else dec.step_terms(st)
+        got, ref = dec.attention(q, st, 1, terms, (k_step, 8)), dec.attention(q, st, 1, terms)
+        assert torch.equal(got, order(ref)) and not torch.equal(got, ref)
+        if dec.triton:
+            assert got.untyped_storage().nbytes() == 8 * 64 * got.element_size()
+
+
 def test_sampler_draws_from_the_softmax():
     """Gumbel-max with the hash RNG: empirical frequencies match softmax(z / T), and top-k / top-p
     renormalize inside their sets."""
@@ -290,18 +323,22 @@ def gpu_lora_model(hf_folder, seed, quantize=True):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("n,kernel", [(1, "mma"), (2, "mma"), (4, None)])
-def test_gpu_nvfp4_lora_decode_in_bf16(hf_folder, n, kernel):
-    """The bf16 NVFP4 decode of 4 and 8 rows: logprobs match one full forward with the adapters (to bf16
-    rounding) far better than they match the model without them. kernel="mma": every GEMM through the
-    mma kernel, which computes the group's LoRA A product in the same launch (fp4_gemm.fp4_linear_side;
-    the plan uses it up to 8 rows off Hopper, at one row on it); None: the plan's kernels (on Hopper
-    wgmma, with the LoRA A products on the decoder's second stream)."""
+@pytest.mark.parametrize("prompts,n,kernel", [(4, 1, "mma"), (4, 2, "mma"), (2, 4, None), (5, 8, None)])
+def test_gpu_nvfp4_lora_decode_in_bf16(hf_folder, prompts, n, kernel):
+    """The bf16 NVFP4 decode of 4, 8 and 40 rows: logprobs match one full forward with the adapters (to
+    bf16 rounding) far better than they match the model without them. kernel="mma": every GEMM through
+    the mma kernel, which computes the group's LoRA A product in the same launch
+    (fp4_gemm.fp4_linear_side; the plan uses it up to 8 rows off Hopper, at one row on it); None: the
+    plan's kernels (on Hopper wgmma, with the LoRA A products on the decoder's second stream; at 40 rows
+    the warp-specialized variant, whose x the kernels before it store in its K order)."""
     model = gpu_lora_model(hf_folder, seed=11)
-    prompts = prompts_of([13, 4, 30, 7][: 8 // n], 97, seed=12)
+    prompts = prompts_of([13, 4, 30, 7, 19][:prompts], 97, seed=12)
     with fp4_gemm.backend("auto", kernel=kernel):
         r = rollout.generate(model, prompts, n=n, max_new_tokens=24, temperature=1.0, seed=3, kernels="triton",
                              graphs=True)
+    if torch.cuda.get_device_capability() == (9, 0):
+        (st,) = model.__dict__["_rollout_decoder"].states.values()
+        assert [k for k, _ in st.x_orders[0]] == ([256] * 4 if st.N > 32 else [0] * 4)
     err, effect = [], []
     for i, comp in rows(r):
         idx = torch.tensor(comp, device="cuda")[:, None]
@@ -317,18 +354,18 @@ def test_gpu_nvfp4_lora_decode_in_bf16(hf_folder, n, kernel):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                     reason="programmatic dependent launch needs a Hopper or newer GPU")
-@pytest.mark.parametrize("prompts,n,quantize", [(1, 1, True), (2, 8, True), (2, 8, False)])
+@pytest.mark.parametrize("prompts,n,quantize", [(1, 1, True), (2, 8, True), (5, 8, True), (2, 8, False)])
 def test_gpu_programmatic_launch_gives_the_same_rollout(hf_folder, monkeypatch, prompts, n, quantize):
     """With programmatic dependent launch (fp4_gemm.pdl_opts: each decode kernel may be scheduled before
     the one ahead of it has finished, and waits for it in pdl_wait) the graphed LoRA decode gives the
     same tokens and logprobs, bit for bit, as plain launches: a kernel touching memory before the wait
     would race. NVFP4 base: 1 row runs the mma kernel (the LoRA A products in its launch), 16 rows the
-    wgmma kernel on Hopper; bf16 base: cuBLAS. At 16 rows the LoRA A products run on the decoder's
-    second stream."""
+    wgmma kernel on Hopper, 40 rows its warp-specialized variant (x stored in its K order by the kernels
+    before it); bf16 base: cuBLAS. From 16 rows the LoRA A products run on the decoder's second stream."""
     model = gpu_lora_model(hf_folder, seed=13, quantize=quantize)
     assert fp4_gemm.pdl_opts(model.device)["PDL"]
     kw = dict(n=n, max_new_tokens=32, temperature=1.0, seed=4, kernels="triton", graphs=True)
-    ps = prompts_of([21, 9][:prompts], 97, seed=14)
+    ps = prompts_of([21, 9, 14, 3, 30][:prompts], 97, seed=14)
     runs = []
     for on in (True, False):
         monkeypatch.setitem(fp4_gemm._choice, "pdl", on)
