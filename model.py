@@ -121,6 +121,11 @@ def rotate_half(x):
     return torch.cat([-x2, x1], dim=-1)
 
 
+def apply_rope(q, k, cos, sin):
+    """The rotary embedding of q and k (..., D) at the angles whose cos / sin broadcast against them."""
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
 def rope_cos_sin(positions, inv_freq, dtype):
     """positions (B, T) → cos, sin (B, 1, T, D), computed in float32 like transformers."""
     freqs = positions[..., None].float() * inv_freq  # (B, T, D/2)
@@ -144,8 +149,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = apply_rope(q, k, cos, sin)
         if cache is not None:
             out = cache.attend(self.layer_idx, q, k, v)  # (B, Hq, T, D)
         elif shared is not None:

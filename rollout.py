@@ -162,8 +162,8 @@ import torch.nn.functional as F
 
 import fp4_gemm  # imported before triton: on a CPU-only machine it switches Triton's interpreter on
 import lora
-from model import (Transformer, load_tokenizer, qwen25_config, read_config, resolve_device, rope_cos_sin,
-                   rotate_half, stop_on_bad_input, stop_token_ids)
+from model import (Transformer, apply_rope, load_tokenizer, qwen25_config, read_config, resolve_device,
+                   rope_cos_sin, stop_on_bad_input, stop_token_ids)
 
 try:
     import triton
@@ -886,8 +886,7 @@ class Decoder:
         q, k, v = self.add_b(grp, qkv, a).split([Hq * D, Hkv * D, Hkv * D], -1)
         cos, sin, _ = terms
         q, k = q.reshape(M, Hq, D), k.reshape(M, Hkv, D)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = apply_rope(q, k, cos, sin)
         col = st.counters[:1]
         st.k[layer].index_copy_(2, col, k[:, :, None])
         st.v[layer].index_copy_(2, col, v.reshape(M, Hkv, 1, D))
@@ -1110,8 +1109,7 @@ class Decoder:
             qkv, a = self.gemm(L.qkv, L.ln1(x).flatten(0, 1))
             q, k, v = self.add_b(L.qkv, qkv, a).split([Hq * D, Hkv * D, Hkv * D], -1)
             q, k, v = heads(q, Hq), heads(k, Hkv), heads(v, Hkv)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            q, k = apply_rope(q, k, cos, sin)
             o = cache.attend(i, q, k, v).transpose(1, 2).reshape(P * T, Hq * D)
             x = x + self.project(L.o, o).view(P, T, -1)
             act = self.silu_mul(*self.gemm(L.gu, L.ln2(x).flatten(0, 1)), L.gu)  # (P·T, I)
