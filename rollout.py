@@ -11,10 +11,12 @@ The layout, for P prompts of lengths l_i, n samples each (N = P·n rows, row r =
 
     cache k, v      (L, N, Hkv, S, D)   allocated once per (N, S) and reused across calls
     prompts         left-padded to Lp = max l_i, so every row writes the same column at every step
+                    (for a short prefill on the GPU, Lp rounded up to a multiple of PREFILL_BUCKET)
     positions       row i's real tokens sit at positions 0 … l_i − 1 whatever its padding pad_i = Lp − l_i
     prefill         each distinct prompt ONCE (P rows, the model's forward through the step's fused
                     projections), its K/V written to its n rows of the cache; the first token of each
-                    row is sampled from those logits
+                    row is sampled from those logits. Up to PREFILL_GRAPH_TOKENS prompt tokens it is a
+                    CUDA graph per (P, Lp), captured the first time the shape comes
     decode step t   token t−1 of every row enters at column Lp + t − 1, position l_i + t − 1; the row
                     attends to columns [pad_i, Lp + t − 1]; one token per row is sampled
 
@@ -115,12 +117,16 @@ On the CPU (tests) the same step runs eagerly with torch ops in place of the Tri
 fused op below has its torch reference next to its kernel, and the tests run both (the kernels
 through Triton's interpreter).
 
-Measured (H200, Qwen2.5-7B shape, NVFP4 + LoRA r32 + AQN, results/rollout_h200.md, sessions 19 and 20):
-batch 1 runs at 2.37 ms a step against a 1.16 ms floor, batch 8 at 2.68-2.76, batch 16 at 2.83, batch 64
-at 4.35. The prefill runs eagerly through the step's fused projections (since session 20; the model's
-own seven linears a layer took 99 instead of 75 ms for one 256-token prompt, 77 instead of 63 for 8) and
-is bound by the host at small batches: about 11 ms of GPU work at one prompt. Captured in a CUDA graph
-it replayed in 11 ms, but its capture costs one eager run, and prompt shapes rarely repeat. In session
+Measured (H200, Qwen2.5-7B shape, NVFP4 + LoRA r32 + AQN, results/rollout_h200.md, sessions 19-21):
+batch 1 runs at 2.36 ms a step against a 1.16 ms floor, batch 8 at 2.68-2.76, batch 16 at 2.83-2.86,
+batch 64 at 4.33. The prefill runs through the step's fused projections (since session 20; the model's
+own seven linears a layer took 99 instead of 75 ms for one 256-token prompt, 77 instead of 63 for 8).
+Eagerly it is bound by the host at small batches: 66-116 ms for one 256-token prompt, of which about 11
+ms are GPU work. So up to 1024 prompt tokens it replays a CUDA graph (session 21): one prompt of 200 or
+256 tokens in 11.3-11.4 ms, four of 256 or one of 1000 in 32-33 ms, against 52-116 ms eagerly, with the
+same tokens; the first call of a shape runs eagerly and captures (107-239 ms). Prompt lengths are rounded
+up to a multiple of 64 there, so that nearby lengths share a graph; eight prompts of 256 tokens keep the
+GPU busy eagerly (60 ms, 55 as a graph). In session
 18's profile (eager steps at 128 new tokens, so without the overlap programmatic dependent launch gives
 the graph), batch 1's 2.63 ms of kernel time were fp4_gemm's GEMMs with the LoRA-A products riding in
 them 1.82 (3.67 GB at 2.0 TB/s, the tensor-core `mma` kernel), cuBLAS's lm_head 0.25, and this file's
@@ -187,7 +193,8 @@ class Rollout:
     lengths   (N,)   int64    completion lengths (stop token included)
     finish    list of "stop" (a stop token was sampled) or "length" (max_new_tokens reached)
     prompt_index (N,) int64   which prompt each row continues
-    stats     timings and what ran (prefill_s, decode_s, steps, graphs, kernels, ...)
+    stats     timings and what ran (prefill_s, decode_s, steps, graphs, kernels, prefill: eager |
+              captured | replayed, ...)
     """
     tokens: torch.Tensor
     logprobs: torch.Tensor
@@ -367,6 +374,12 @@ ORDER_X = True
 # query heads (rows of a group x heads of a kv head) one program takes over a shared prompt: 32 and 64 ran at
 # the same speed (results/rollout_h200.md, session 16), 64 with register spills
 SHARED_HEADS = 32
+# A prefill of at most this many prompt tokens (prompts x padded length) is bound by the host (one eager
+# 256-token prompt: 66-116 ms for ~11 ms of GPU work on the H200), so on the GPU it runs as a CUDA
+# graph, one per (prompts, length) shape; its length is rounded up to a multiple of PREFILL_BUCKET so that
+# prompts of nearby lengths share a graph. Larger prefills keep the GPU busy eagerly. 0: always eager.
+PREFILL_GRAPH_TOKENS = 1024
+PREFILL_BUCKET = 64
 
 
 @_jit
@@ -767,7 +780,8 @@ class _State:
         self.sm_best = torch.zeros_like(self.sm_m)
         self.sm_idx = torch.zeros(N, self.v_split, dtype=torch.int32, device=dev)
         self.host_col = None  # the current column when known on the host (eager steps), else None
-        self.graphs = {}
+        self.graphs = {}  # decode steps, per sampling setup
+        self.prefills = OrderedDict()  # prefills, per (prompts, length): Decoder.capture_prefill
         self.x_orders = [dec.x_orders(L, N) for L in dec.layers]  # per layer: (q|k|v, o, gate|up, down)
         for L, orders in zip(dec.layers, self.x_orders):
             for grp, (k_step, _) in zip(L.groups, orders):
@@ -818,7 +832,10 @@ class Decoder:
             if kernels == "triton":  # the kernels need a power-of-two head_dim >= 32 (tl.arange, tl.dot)
                 raise ValueError(f"kernels='triton' needs a power-of-two head_dim >= 32, got {self.cfg.head_dim}")
             self.triton = False
-        self.graphs = self.device.type == "cuda" if graphs == "auto" else bool(graphs)
+        if graphs is True and self.device.type != "cuda":
+            raise ValueError(f"graphs=True needs a model on a CUDA GPU, this one is on {self.device.type}: use "
+                             "graphs='auto' or False")
+        self.graphs = self.device.type == "cuda" if graphs == "auto" else graphs
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 4
         self.prec = "ieee" if self.dtype == torch.float32 else "tf32"
         self.pdl = fp4_gemm.pdl_opts(self.device) if self.triton else {}  # (programmatic dependent launch)
@@ -1044,8 +1061,6 @@ class Decoder:
         st.counters.zero_()
         st.done.fill_(1)  # warm-up steps on finished rows: no attention reads, outputs overwritten later
         st.host_col = None
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -1053,11 +1068,17 @@ class Decoder:
                 self.step(st, sp)
         torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
+        with torch.cuda.graph(g, pool=self.graph_pool()):
             self.step(st, sp)
         torch.cuda.synchronize()
         st.graphs[key] = g
         return time.perf_counter() - t0
+
+    def graph_pool(self):
+        """The memory pool every graph of this decoder allocates from (they never run at the same time)."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        return self.pool
 
     def state(self, N, S):
         key = (N, S)
@@ -1073,26 +1094,60 @@ class Decoder:
 
     def prefill(self, st, prompts, n, Lp, sp, token_budget=16384):
         """Each distinct prompt once (in chunks of ~token_budget tokens), K/V into its n rows, and the
-        first token of every row sampled from its prompt's last logits."""
-        m, dev = self.model, self.device
+        first token of every row sampled from its prompt's last logits. Returns how the prompts ran:
+        "eager", or for a shape that prefill_graphed() takes, "captured" (eagerly, then recorded as a CUDA
+        graph for the next calls of the shape) or "replayed"."""
+        dev = self.device
         P = len(prompts)
         tokens = torch.full((P, Lp), sp.pad_id, dtype=torch.int64)
         for i, p in enumerate(prompts):
             tokens[i, Lp - len(p):] = torch.as_tensor(p, dtype=torch.int64)
         tokens = tokens.to(dev)
         pad = torch.tensor([Lp - len(p) for p in prompts], dtype=torch.int64, device=dev)
-        positions = (torch.arange(Lp, device=dev)[None] - pad[:, None]).clamp(min=0)  # (P, Lp)
-        last = []
-        chunk = max(1, token_budget // Lp)
-        for c0 in range(0, P, chunk):
-            c1 = min(P, c0 + chunk)
-            cache = _PrefillCache(st, c0 * n, n, pad[c0:c1], Lp)
-            last.append(m.lm_head(self.prompt_hidden(tokens[c0:c1], positions[c0:c1], cache)))  # (p, V)
-        logits = torch.cat(last)
+        how = "eager"
+        if self.prefill_graphed(P, Lp):
+            if (P, Lp) in st.prefills:
+                st.prefills.move_to_end((P, Lp))
+                graph, tokens_in, pad_in, logits = st.prefills[(P, Lp)]
+                tokens_in.copy_(tokens)
+                pad_in.copy_(pad)
+                graph.replay()
+                how = "replayed"
+            else:  # the eager run compiles every kernel the capture records
+                logits = self.prompt_logits(st, tokens, pad, 0, n)
+                while len(st.prefills) >= 8:  # the 8 latest shapes (their memory is the pool's, shared)
+                    st.prefills.popitem(last=False)
+                st.prefills[(P, Lp)] = self.capture_prefill(st, tokens, pad, n)
+                how = "captured"
+        else:
+            chunk = max(1, token_budget // Lp)
+            logits = torch.cat([self.prompt_logits(st, tokens[c0:c0 + chunk], pad[c0:c0 + chunk], c0 * n, n)
+                                for c0 in range(0, P, chunk)])  # (P, V)
         st.pad.copy_(pad.repeat_interleave(n))
         st.counters.zero_()  # sampling output step 0
         self.sample(logits.repeat_interleave(n, 0) if n > 1 else logits, st, sp)
         st.counters.copy_(torch.tensor([Lp, 1], device=dev))
+        return how
+
+    def prefill_graphed(self, P, Lp):
+        """Whether the prefill of P prompts padded to Lp tokens replays a CUDA graph (PREFILL_GRAPH_TOKENS)."""
+        return self.graphs and P * PREFILL_BUCKET * math.ceil(Lp / PREFILL_BUCKET) <= PREFILL_GRAPH_TOKENS
+
+    def prompt_logits(self, st, tokens, pad, row0, n):
+        """The last logits (p, V) of prompts tokens (p, Lp) left-padded by pad (p,); their K/V into the n
+        cache rows of each, from row row0 on."""
+        Lp = tokens.shape[1]
+        positions = (torch.arange(Lp, device=tokens.device)[None] - pad[:, None]).clamp(min=0)  # (p, Lp)
+        return self.model.lm_head(self.prompt_hidden(tokens, positions, _PrefillCache(st, row0, n, pad, Lp)))
+
+    def capture_prefill(self, st, tokens, pad, n):
+        """prompt_logits for this shape recorded as a CUDA graph: (graph, its inputs tokens and pad, its
+        logits). Its memory comes from the decode graphs' pool, where it reuses what they free."""
+        inputs = tokens.clone(), pad.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.graph_pool()):
+            logits = self.prompt_logits(st, *inputs, 0, n)
+        return (graph, *inputs, logits)
 
     def prompt_hidden(self, tokens, positions, cache):
         """The final-normed hidden state at the last position of each prompt, tokens (P, T) → (P, H): the
@@ -1121,6 +1176,8 @@ class Decoder:
         P, dev = len(prompts), self.device
         N = P * n
         Lp = max(len(p) for p in prompts)
+        if self.prefill_graphed(P, Lp):  # nearby prompt lengths share one prefill graph
+            Lp = PREFILL_BUCKET * math.ceil(Lp / PREFILL_BUCKET)
         S = 128 * math.ceil((Lp + max_new_tokens) / 128)  # rounded so that later calls reuse the graphs
         st = self.state(N, S)
         nstop = max(16, _pow2(len(sp.stop_ids)))
@@ -1154,7 +1211,7 @@ class Decoder:
         sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
         sync()
         t0 = time.perf_counter()
-        self.prefill(st, prompts, n, Lp, sp)
+        stats["prefill"] = self.prefill(st, prompts, n, Lp, sp)
         sync()
         t1 = time.perf_counter()
         steps = 1
@@ -1216,7 +1273,8 @@ def generate(model, prompts, *, n=1, max_new_tokens=256, temperature=1.0, top_p=
     temperature 0 is greedy; top_p / top_k truncate the sampling set (the logprobs stay those of the
     untruncated softmax(logits / temperature)); stop_ids end a row (the stop token is kept); seed
     makes the call reproducible (None: drawn from torch's global RNG). kernels: "triton" (default on
-    CUDA) or "torch" (default elsewhere); graphs: CUDA graphs for the decode step (default on CUDA).
+    CUDA) or "torch" (default elsewhere); graphs: CUDA graphs for the decode step and short prefills
+    (PREFILL_GRAPH_TOKENS; default on CUDA, True only there).
     stream(step, tokens (N,)) is called after every step (it forces a sync per step)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, and every prompt at least one token")
@@ -1260,7 +1318,8 @@ def _bench_one(model, batch, prompt_len, new_tokens, seed, **kw):
     assert int(r.lengths.min()) == new_tokens, "a row stopped early in the forced-length benchmark"
     return dict(batch=batch, tok_s=batch * new_tokens / (s["prefill_s"] + s["decode_s"]),
                 ms_step=1e3 * s["decode_s"] / max(1, s["steps"] - 1), prefill_ms=1e3 * s["prefill_s"],
-                capture_s=warm.stats["capture_s"], graphs=s["graphs"], kernels=s["kernels"])
+                prefill=s["prefill"], first_prefill_ms=1e3 * warm.stats["prefill_s"], capture_s=warm.stats["capture_s"],
+                graphs=s["graphs"], kernels=s["kernels"])
 
 
 def _check(model):
@@ -1416,7 +1475,8 @@ def bench(args):
                     continue
                 res.update(size=size, quant=quant)
                 line = (f"{size:>4} {quant:>6} batch {batch:>3}: {res['tok_s']:9.0f} tok/s  decode {res['ms_step']:6.2f} "
-                        f"ms/step  prefill {res['prefill_ms']:7.1f} ms  compile+capture {res['capture_s']:.1f} s  "
+                        f"ms/step  prefill {res['prefill_ms']:7.1f} ms ({res['prefill']}; the shape's first "
+                        f"{res['first_prefill_ms']:.0f})  compile+capture {res['capture_s']:.1f} s  "
                         f"(kernels {res['kernels']}, graphs {res['graphs']})")
                 print(line, flush=True)
                 if kw == {"kernels": args.kernels, "graphs": args.graphs}:
@@ -1508,7 +1568,7 @@ def main(argv=None):
     p.add_argument("--rank", type=int, default=32, help="benchmark LoRA rank")
     p.add_argument("--aqn-sigma", type=float, default=1e-2, help="benchmark AQN noise sigma on the norm weights")
     p.add_argument("--kernels", default="auto", choices=("auto", "triton", "torch"), help="fused ops: Triton or torch")
-    p.add_argument("--graphs", default="auto", choices=("auto", "on", "off"), help="CUDA graphs for the decode step")
+    p.add_argument("--graphs", default="auto", choices=("auto", "on", "off"), help="CUDA graphs for the decode step and short prefills")
     p.add_argument("--check", action="store_true", help="benchmark: first check the GPU step against eager torch and a full forward")
     p.add_argument("--profile", type=int, nargs="*", default=[], help="benchmark: kernel-time profile at these batches")
     p.add_argument("--variants", action="store_true", help="benchmark: also time eager (no graphs) and torch-op steps")

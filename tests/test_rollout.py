@@ -274,6 +274,8 @@ def test_rejects_bad_arguments(hf_folder):
         rollout.generate(model, [[]])
     with pytest.raises(ValueError):
         rollout.generate(model, [[1, 2]], top_p=0.0)
+    with pytest.raises(ValueError, match="graphs=True needs a model on a CUDA GPU"):  # (load: on the CPU)
+        rollout.generate(model, [[1, 2]], graphs=True)
 
 
 def test_chat_with_a_missing_model_says_so():
@@ -339,6 +341,14 @@ def test_gpu_nvfp4_lora_decode_in_bf16(hf_folder, prompts, n, kernel):
     if torch.cuda.get_device_capability() == (9, 0):
         (st,) = model.__dict__["_rollout_decoder"].states.values()
         assert [k for k, _ in st.x_orders[0]] == ([256] * 4 if st.N > 32 else [0] * 4)
+    err, effect = error_and_adapter_effect(model, prompts, n, r)
+    print(f"n={n}: |decode - full forward| {err:.4f}, |without - with adapters| {effect:.4f}")
+    assert err < 0.1 * effect
+
+
+def error_and_adapter_effect(model, prompts, n, r):
+    """Mean |logprob of the rollout r - that of one full forward| over its tokens (temperature 1), and
+    the mean |change| of those full-forward logprobs when the adapters are switched off."""
     err, effect = [], []
     for i, comp in rows(r):
         idx = torch.tensor(comp, device="cuda")[:, None]
@@ -347,9 +357,7 @@ def test_gpu_nvfp4_lora_decode_in_bf16(hf_folder, prompts, n, kernel):
             lp0 = torch.log_softmax(full_forward_z(model, prompts[i // n], comp, 1.0), -1).gather(1, idx)[:, 0]
         err.append((r.logprobs[i, : len(comp)].double() - lp).abs())
         effect.append((lp0 - lp).abs())
-    err, effect = torch.cat(err).mean().item(), torch.cat(effect).mean().item()
-    print(f"n={n}: |decode - full forward| {err:.4f}, |without - with adapters| {effect:.4f}")
-    assert err < 0.1 * effect
+    return torch.cat(err).mean().item(), torch.cat(effect).mean().item()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
@@ -372,3 +380,25 @@ def test_gpu_programmatic_launch_gives_the_same_rollout(hf_folder, monkeypatch, 
         rollout.release(model)  # a new decoder: its graphs are captured with (or without) PDL
         runs.append(rollout.generate(model, ps, **kw))
     assert torch.equal(runs[0].tokens, runs[1].tokens) and torch.equal(runs[0].logprobs, runs[1].logprobs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("quantize", [True, False])
+def test_gpu_short_prefill_replays_its_graph(hf_folder, quantize):
+    """A short prefill (rollout.PREFILL_GRAPH_TOKENS) runs eagerly and is captured as a CUDA graph the first
+    time its (prompts, padded length) shape comes, and replays it after, for prompts of other lengths in the
+    same bucket too: the same tokens and logprobs bit for bit as the eager prefill of the same prompts, and
+    logprobs that match one full forward."""
+    model = gpu_lora_model(hf_folder, seed=15, quantize=quantize)
+    kw = dict(n=2, max_new_tokens=16, temperature=1.0, seed=5, kernels="triton", graphs=True)
+    first, other = prompts_of([37, 20], 97, seed=16), prompts_of([50, 61], 97, seed=17)  # both padded to 64
+    runs = [rollout.generate(model, ps, **kw) for ps in (first, first, other)]
+    assert [r.stats["prefill"] for r in runs] == ["captured", "replayed", "replayed"]
+    assert runs[0].stats["prompt_len"] == runs[2].stats["prompt_len"] == rollout.PREFILL_BUCKET
+    for replayed, ps in zip(runs[1:], (first, other)):
+        rollout.release(model)  # a new decoder, so that these prompts come first: an eager prefill
+        ref = rollout.generate(model, ps, **kw)
+        assert ref.stats["prefill"] == "captured"
+        assert torch.equal(replayed.tokens, ref.tokens) and torch.equal(replayed.logprobs, ref.logprobs)
+    err, effect = error_and_adapter_effect(model, other, 2, runs[2])
+    assert err < 0.1 * effect
