@@ -122,11 +122,11 @@ batch 1 runs at 2.36 ms a step against a 1.16 ms floor, batch 8 at 2.68-2.76, ba
 batch 64 at 4.33. The prefill runs through the step's fused projections (since session 20; the model's
 own seven linears a layer took 99 instead of 75 ms for one 256-token prompt, 77 instead of 63 for 8).
 Eagerly it is bound by the host at small batches: 66-116 ms for one 256-token prompt, of which about 11
-ms are GPU work. So up to 1024 prompt tokens it replays a CUDA graph (session 21): one prompt of 200 or
-256 tokens in 11.3-11.4 ms, four of 256 or one of 1000 in 32-33 ms, against 52-116 ms eagerly, with the
-same tokens; the first call of a shape runs eagerly and captures (107-239 ms). Prompt lengths are rounded
-up to a multiple of 64 there, so that nearby lengths share a graph; eight prompts of 256 tokens keep the
-GPU busy eagerly (60 ms, 55 as a graph). In session
+ms are GPU work. So up to 2048 prompt tokens it replays a CUDA graph (session 21): one prompt of 200 or
+256 tokens in 11.3-11.4 ms, four of 256 or one of 1000 in 32-33 ms, against 52-116 ms eagerly, eight of
+256 in 55-56 ms against 60-104, with the same tokens; the first call of a shape runs eagerly and captures
+(107-239 ms). Prompt lengths are rounded up to a multiple of 64 there, so that nearby lengths share a
+graph. Longer prefills keep the GPU busy eagerly. In session
 18's profile (eager steps at 128 new tokens, so without the overlap programmatic dependent launch gives
 the graph), batch 1's 2.63 ms of kernel time were fp4_gemm's GEMMs with the LoRA-A products riding in
 them 1.82 (3.67 GB at 2.0 TB/s, the tensor-core `mma` kernel), cuBLAS's lm_head 0.25, and this file's
@@ -374,11 +374,12 @@ ORDER_X = True
 # query heads (rows of a group x heads of a kv head) one program takes over a shared prompt: 32 and 64 ran at
 # the same speed (results/rollout_h200.md, session 16), 64 with register spills
 SHARED_HEADS = 32
-# A prefill of at most this many prompt tokens (prompts x padded length) is bound by the host (one eager
-# 256-token prompt: 66-116 ms for ~11 ms of GPU work on the H200), so on the GPU it runs as a CUDA
-# graph, one per (prompts, length) shape; its length is rounded up to a multiple of PREFILL_BUCKET so that
-# prompts of nearby lengths share a graph. Larger prefills keep the GPU busy eagerly. 0: always eager.
-PREFILL_GRAPH_TOKENS = 1024
+# A prefill of at most this many prompt tokens (prompts x padded length) is bound by the host, or its time
+# swings with the host's (one eager 256-token prompt: 66-116 ms for ~11 ms of GPU work on the H200; eight:
+# 60-104 ms for 55), so on the GPU it runs as a CUDA graph, one per (prompts, length) shape; its length is
+# rounded up to a multiple of PREFILL_BUCKET so that prompts of nearby lengths share a graph. Larger
+# prefills keep the GPU busy eagerly. 0: always eager.
+PREFILL_GRAPH_TOKENS = 2048
 PREFILL_BUCKET = 64
 
 
