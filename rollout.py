@@ -117,31 +117,29 @@ On the CPU (tests) the same step runs eagerly with torch ops in place of the Tri
 fused op below has its torch reference next to its kernel, and the tests run both (the kernels
 through Triton's interpreter).
 
-Measured (H200, Qwen2.5-7B shape, NVFP4 + LoRA r32 + AQN, results/rollout_h200.md, sessions 19-21):
-batch 1 runs at 2.36 ms a step against a 1.16 ms floor, batch 8 at 2.68-2.76, batch 16 at 2.83-2.86,
-batch 64 at 4.33. The prefill runs through the step's fused projections (since session 20; the model's
-own seven linears a layer took 99 instead of 75 ms for one 256-token prompt, 77 instead of 63 for 8).
-Eagerly it is bound by the host at small batches: 66-116 ms for one 256-token prompt, of which about 11
-ms are GPU work. So up to 2048 prompt tokens it replays a CUDA graph (session 21): one prompt of 200 or
-256 tokens in 11.3-11.4 ms, four of 256 or one of 1000 in 32-33 ms, against 52-116 ms eagerly, eight of
-256 in 55-56 ms against 60-104, with the same tokens; the first call of a shape runs eagerly and captures
-(107-239 ms). Prompt lengths are rounded up to a multiple of 64 there, so that nearby lengths share a
-graph. Longer prefills keep the GPU busy eagerly. In session
-18's profile (eager steps at 128 new tokens, so without the overlap programmatic dependent launch gives
-the graph), batch 1's 2.63 ms of kernel time were fp4_gemm's GEMMs with the LoRA-A products riding in
-them 1.82 (3.67 GB at 2.0 TB/s, the tensor-core `mma` kernel), cuBLAS's lm_head 0.25, and this file's
-kernels 0.55 (attention 0.15, LoRA B 0.11, silu_mul 0.10, add_rmsnorm 0.10, rope_write 0.09); the
-graphed step, its 342 launches overlapping, took 2.47 ms there (before the mma kernel's early loads,
-which took the step at 512 new tokens from 2.48 to 2.38 ms). Without the graph a step costs ~70 ms
-(Python and launch overhead; session 1's measurement). The LoRA-A products as launches of their own in
-line cost 4.2-8.2 µs each (0.47 ms a step, at 3.42 ms a step), inside the GEMM's launch 0.4-3 µs. From 2
-rows they run on the second stream, entirely hidden at batch 8 (3.46 ms of kernel time, 0.70 of it on
-that stream, in a 2.78 ms step at 128 new tokens, session 13). At batch 64 (128 new tokens, session 18)
-the kernels add up to 5.04 ms: the wgmma GEMMs 2.74 (3.67 GB at ~1.3 TB/s), cuBLAS 1.00 (lm_head and the
-LoRA-A products on the second stream, with their split-K reduces), attention 0.54, the K-order launches
-0.17, this file's other kernels 0.58. What remains, in order: the fp4 GEMMs at ~2 TB/s instead of ~4 at
-batch 1 (their compute and loads overlap only in part, at the board's power cap; see fp4_gemm.py), and
-at ~1.3 TB/s at batch 64.
+Measured (H200, Qwen2.5-7B shape, NVFP4 + LoRA r32 + AQN, results/rollout_h200.md, sessions 19-21): batch 1
+runs at 2.36 ms a step against a 1.16 ms floor, batch 8 at 2.68-2.76, batch 16 at 2.83-2.86, batch 64 at
+4.33. The prefill runs through the step's fused projections (since session 20; the model's own seven linears
+a layer took 99 instead of 75 ms for one 256-token prompt, 77 instead of 63 for 8). Eagerly it is bound by
+the host at small batches: 66-116 ms for one 256-token prompt, of which about 11 ms are GPU work. So up to
+2048 prompt tokens it replays a CUDA graph (session 21): one prompt of 200 or 256 tokens in 11.3-11.4 ms,
+four of 256 or one of 1000 in 32-33 ms, against 52-116 ms eagerly, eight of 256 in 55-56 ms against 60-104,
+with the same tokens; the first call of a shape runs eagerly and captures (107-239 ms). Prompt lengths are
+rounded up to a multiple of 64 there, so that nearby lengths share a graph. Longer prefills keep the GPU
+busy eagerly. In session 18's profile (eager steps at 128 new tokens, so without the overlap programmatic
+dependent launch gives the graph), batch 1's 2.63 ms of kernel time were fp4_gemm's GEMMs with the LoRA-A
+products riding in them 1.82 (3.67 GB at 2.0 TB/s, the tensor-core `mma` kernel), cuBLAS's lm_head 0.25, and
+this file's kernels 0.55 (attention 0.15, LoRA B 0.11, silu_mul 0.10, add_rmsnorm 0.10, rope_write 0.09);
+the graphed step, its 342 launches overlapping, took 2.47 ms there (before the mma kernel's early loads,
+which took the step at 512 new tokens from 2.48 to 2.38 ms). Without the graph a step costs ~70 ms (Python
+and launch overhead; session 1's measurement). The LoRA-A products as launches of their own in line cost
+4.2-8.2 µs each (0.47 ms a step, at 3.42 ms a step), inside the GEMM's launch 0.4-3 µs. From 2 rows they run
+on the second stream, entirely hidden at batch 8 (3.46 ms of kernel time, 0.70 of it on that stream, in a
+2.78 ms step at 128 new tokens, session 13). At batch 64 (128 new tokens, session 18) the kernels add up to
+5.04 ms: the wgmma GEMMs 2.74 (3.67 GB at ~1.3 TB/s), cuBLAS 1.00 (lm_head and the LoRA-A products on the
+second stream, with their split-K reduces), attention 0.54, the K-order launches 0.17, this file's other
+kernels 0.58. What remains, in order: the fp4 GEMMs at ~2 TB/s instead of ~4 at batch 1 (their compute and
+loads overlap only in part, at the board's power cap; see fp4_gemm.py), and at ~1.3 TB/s at batch 64.
 
 Departures. vLLM (which the official QeRL code uses) pages its KV cache and batches continuously;
 here a batch is static and every row shares the cache's column index (left padding), which keeps the
