@@ -1091,11 +1091,11 @@ class Decoder:
 
     # --- generation -------------------------------------------------------------------------------
 
-    def prefill(self, st, prompts, n, Lp, sp, token_budget=16384):
+    def prefill(self, st, prompts, n, Lp, sp, graphed=False, token_budget=16384):
         """Each distinct prompt once (in chunks of ~token_budget tokens), K/V into its n rows, and the
         first token of every row sampled from its prompt's last logits. Returns how the prompts ran:
-        "eager", or for a shape that prefill_graphed() takes, "captured" (eagerly, then recorded as a CUDA
-        graph for the next calls of the shape) or "replayed"."""
+        "eager", or where `graphed` (run decides: PREFILL_GRAPH_TOKENS), "captured" (eagerly, then recorded
+        as a CUDA graph for the next calls of the shape) or "replayed"."""
         dev = self.device
         P = len(prompts)
         tokens = torch.full((P, Lp), sp.pad_id, dtype=torch.int64)
@@ -1104,7 +1104,7 @@ class Decoder:
         tokens = tokens.to(dev)
         pad = torch.tensor([Lp - len(p) for p in prompts], dtype=torch.int64, device=dev)
         how = "eager"
-        if self.prefill_graphed(P, Lp):
+        if graphed:
             if (P, Lp) in st.prefills:
                 st.prefills.move_to_end((P, Lp))
                 graph, tokens_in, pad_in, logits = st.prefills[(P, Lp)]
@@ -1127,10 +1127,6 @@ class Decoder:
         self.sample(logits.repeat_interleave(n, 0) if n > 1 else logits, st, sp)
         st.counters.copy_(torch.tensor([Lp, 1], device=dev))
         return how
-
-    def prefill_graphed(self, P, Lp):
-        """Whether the prefill of P prompts padded to Lp tokens replays a CUDA graph (PREFILL_GRAPH_TOKENS)."""
-        return self.graphs and P * PREFILL_BUCKET * math.ceil(Lp / PREFILL_BUCKET) <= PREFILL_GRAPH_TOKENS
 
     def prompt_logits(self, st, tokens, pad, row0, n):
         """The last logits (p, V) of prompts tokens (p, Lp) left-padded by pad (p,); their K/V into the n
@@ -1175,8 +1171,10 @@ class Decoder:
         P, dev = len(prompts), self.device
         N = P * n
         Lp = max(len(p) for p in prompts)
-        if self.prefill_graphed(P, Lp):  # nearby prompt lengths share one prefill graph
-            Lp = PREFILL_BUCKET * math.ceil(Lp / PREFILL_BUCKET)
+        bucket = PREFILL_BUCKET * math.ceil(Lp / PREFILL_BUCKET)
+        graphed_prefill = self.graphs and P * bucket <= PREFILL_GRAPH_TOKENS
+        if graphed_prefill:  # nearby prompt lengths share one prefill graph
+            Lp = bucket
         S = 128 * math.ceil((Lp + max_new_tokens) / 128)  # rounded so that later calls reuse the graphs
         st = self.state(N, S)
         nstop = max(16, _pow2(len(sp.stop_ids)))
@@ -1210,7 +1208,7 @@ class Decoder:
         sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
         sync()
         t0 = time.perf_counter()
-        stats["prefill"] = self.prefill(st, prompts, n, Lp, sp)
+        stats["prefill"] = self.prefill(st, prompts, n, Lp, sp, graphed=graphed_prefill)
         sync()
         t1 = time.perf_counter()
         steps = 1
