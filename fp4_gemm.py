@@ -1106,11 +1106,29 @@ if HAS_GLUON:
                  mask=mask)
 
     @gluon.jit
-    def _wgmma_epilogue(acc, tile_n, pid_m, pid_k, tiles_n, gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M, N,
-                        stride_ym, BT: gl.constexpr, SPLIT_K: gl.constexpr, GS_PER_ROW: gl.constexpr,
-                        HAS_BIAS: gl.constexpr):
+    def _wgmma_split_sum(acc, rows, toks, mask, tile, pid_k, row0, gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M, N,
+                         stride_ym, BT: gl.constexpr, SPLIT_K: gl.constexpr, GS_PER_ROW: gl.constexpr,
+                         HAS_BIAS: gl.constexpr):
+        """Split K's end: this split's fp32 partial, then a ticket; the tile's last program sums the partials
+        in order and stores y. The partials (SPLIT_K, M, N - row0) hold the weight rows from row0 on."""
+        n_part = N - row0
+        part = part_ptr + toks[None, :].to(gl.int64) * n_part + (rows[:, None] - row0)  # split s at + s · M · n_part
+        gl.store(part + pid_k * M * n_part, acc, mask=mask)
+        _cta_barrier()  # every thread's partial is written before the ticket is taken
+        if gl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+            acc = gl.zeros_like(acc)
+            for s in range(SPLIT_K):  # .cg: read L2, never a stale line of this SM's L1. (A loop: with
+                # static_range the loads all issued at once and took up to 38 more registers.)
+                acc += gl.load(part + s * M * n_part, mask=mask, other=0.0, cache_modifier=".cg")
+            gl.atomic_xchg(lock_ptr + tile, 0, sem="relaxed", scope="gpu")
+            _wgmma_finish(acc, rows, toks, mask, gs_ptr, bias_ptr, y_ptr, N, stride_ym, GS_PER_ROW, HAS_BIAS)
+
+    @gluon.jit
+    def _wgmma_epilogue(acc, tile_n, pid_m, pid_k, tiles_n, whole, gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M,
+                        N, stride_ym, BT: gl.constexpr, SPLIT_K: gl.constexpr, WHOLE: gl.constexpr,
+                        GS_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr):
         """A warpgroup's (64 weight rows of tile tile_n, BT tokens) result: straight to y, or with split K
-        an fp32 partial and a ticket, the last program of the tile summing the partials in order."""
+        through _wgmma_split_sum; with WHOLE, only the tiles from `whole` on are split."""
         # a layout with each thread on 4 consecutive rows (= contiguous outputs of a token)
         out_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[4, 1], threads_per_warp=[16, 2], warps_per_cta=[1, 4],
                                                order=[0, 1])
@@ -1118,20 +1136,18 @@ if HAS_GLUON:
         rows = tile_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, out_l))
         toks = pid_m * BT + gl.arange(0, BT, layout=gl.SliceLayout(0, out_l))
         mask = (rows[:, None] < N) & (toks[None, :] < M)
-        if SPLIT_K > 1:
-            part = part_ptr + toks[None, :].to(gl.int64) * N + rows[:, None]  # split s at + s · M · N
-            gl.store(part + pid_k * M * N, acc, mask=mask)
-            _cta_barrier()  # every thread's partial is written before the ticket is taken
-            tile = pid_m * tiles_n + tile_n
-            if gl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-                acc = gl.zeros((64, BT), gl.float32, layout=out_l)
-                for s in range(SPLIT_K):  # .cg: read L2, never a stale line of this SM's L1. (A loop: with
-                    # static_range the loads all issued at once and took up to 38 more registers.)
-                    acc += gl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-                gl.atomic_xchg(lock_ptr + tile, 0, sem="relaxed", scope="gpu")
-                _wgmma_finish(acc, rows, toks, mask, gs_ptr, bias_ptr, y_ptr, N, stride_ym, GS_PER_ROW, HAS_BIAS)
-        else:
+        tile = pid_m * tiles_n + tile_n
+        if SPLIT_K == 1:
             _wgmma_finish(acc, rows, toks, mask, gs_ptr, bias_ptr, y_ptr, N, stride_ym, GS_PER_ROW, HAS_BIAS)
+        elif WHOLE:
+            if tile_n < whole:
+                _wgmma_finish(acc, rows, toks, mask, gs_ptr, bias_ptr, y_ptr, N, stride_ym, GS_PER_ROW, HAS_BIAS)
+            else:
+                _wgmma_split_sum(acc, rows, toks, mask, tile, pid_k, 64 * whole, gs_ptr, bias_ptr, y_ptr, part_ptr,
+                                 lock_ptr, M, N, stride_ym, BT, SPLIT_K, GS_PER_ROW, HAS_BIAS)
+        else:
+            _wgmma_split_sum(acc, rows, toks, mask, tile, pid_k, 0, gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M, N,
+                             stride_ym, BT, SPLIT_K, GS_PER_ROW, HAS_BIAS)
 
     @gluon.jit
     def _wgmma_kernel(x_ptr, wp_ptr, ws_ptr, gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M, N, n_steps, stride_xm,
@@ -1197,8 +1213,8 @@ if HAS_GLUON:
             words = words_next
             sb = sb_next
         _wgmma_pdl_launch_next(PDL)
-        _wgmma_epilogue(acc, pid_n, pid_m, pid_k, gl.num_programs(0), gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M,
-                        N, stride_ym, BT, SPLIT_K, GS_PER_ROW, HAS_BIAS)
+        _wgmma_epilogue(acc, pid_n, pid_m, pid_k, gl.num_programs(0), 0, gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr,
+                        M, N, stride_ym, BT, SPLIT_K, False, GS_PER_ROW, HAS_BIAS)
 
 
 # The warp-specialized variant (plan key STAGES): the same decode and MMAs, fed by a producer warp.
@@ -1246,10 +1262,12 @@ if HAS_GLUON:
                                                 x_bufs.index(st).slice(q * BT, BT))
 
     @gluon.jit
-    def _ws_consumer(w_bufs, s_bufs, x_bufs, ready, empty, n, wg, pid_k, gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr,
-                     M, N, stride_ym, BT: gl.constexpr, STAGES: gl.constexpr, NWG: gl.constexpr,
-                     SPLIT_K: gl.constexpr, GS_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, F16: gl.constexpr):
-        """One warpgroup: weight rows of tile wg (of the program's NWG) x BT tokens over the n k-steps."""
+    def _ws_consumer(w_bufs, s_bufs, x_bufs, ready, empty, n, wg, tile_n, pid_m, pid_k, tiles_n, whole, gs_ptr,
+                     bias_ptr, y_ptr, part_ptr, lock_ptr, M, N, stride_ym, BT: gl.constexpr, STAGES: gl.constexpr,
+                     NWG: gl.constexpr, SPLIT_K: gl.constexpr, WHOLE: gl.constexpr, GS_PER_ROW: gl.constexpr,
+                     HAS_BIAS: gl.constexpr, F16: gl.constexpr):
+        """One warpgroup: weight rows of 64-row tile wg of the program's tile_n (NWG of them) x BT tokens
+        over the n k-steps."""
         mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_l, k_width=2)
         acc = gl.zeros((64, BT), gl.float32, layout=mma_l)
@@ -1264,21 +1282,34 @@ if HAS_GLUON:
             acc = _wgmma_step(acc, a, words, sb, x_bufs.index(st), a_l, BT, F16)
             fence_async_shared()  # this warpgroup's reads are ordered before the producer's next TMA writes
             mbarrier.arrive(empty.index(st), count=1)
-        tiles_n = gl.num_programs(0) * NWG
-        _wgmma_epilogue(acc, gl.program_id(0) * NWG + wg, gl.program_id(1), pid_k, tiles_n, gs_ptr, bias_ptr,
-                        y_ptr, part_ptr, lock_ptr, M, N, stride_ym, BT, SPLIT_K, GS_PER_ROW, HAS_BIAS)
+        _wgmma_epilogue(acc, tile_n * NWG + wg, pid_m, pid_k, tiles_n * NWG, whole * NWG, gs_ptr, bias_ptr, y_ptr,
+                        part_ptr, lock_ptr, M, N, stride_ym, BT, SPLIT_K, WHOLE, GS_PER_ROW, HAS_BIAS)
 
     @gluon.jit
     def _wgmma_ws_kernel(x_desc, w_desc, s_desc, gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M, N, n_steps,
-                         stride_ym, split_steps, BT: gl.constexpr, STAGES: gl.constexpr, NWG: gl.constexpr,
-                         SPLIT_K: gl.constexpr, GS_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr,
-                         F16: gl.constexpr, PDL: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-        """Program (n, m, s): NWG · 64 weight rows, BT rows of x (in wgmma_k_order, through x_desc), k-steps
-        of 256 s · split_steps .. (n_steps in all). x_desc, w_desc, s_desc: TMA descriptors of x (BT, 64),
-        the codes as 32-bit words (64, 32) and the scale bytes (64, 16)."""
+                         stride_ym, split_steps, tiles_n, whole, BT: gl.constexpr, STAGES: gl.constexpr,
+                         NWG: gl.constexpr, SPLIT_K: gl.constexpr, WHOLE: gl.constexpr, GS_PER_ROW: gl.constexpr,
+                         HAS_BIAS: gl.constexpr, F16: gl.constexpr, PDL: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+        """Program (m, n, s): BT rows of x (tile m, in wgmma_k_order, through x_desc) against weight tile n
+        of NWG · 64 rows, k-steps of 256 s · split_steps .. (n_steps in all). With WHOLE, program (m, j):
+        tile j whole for j < whole, then one split of a later tile, splits after splits: j = whole +
+        s · (tiles_n - whole) + (n - whole). x_desc, w_desc, s_desc: TMA descriptors of x (BT, 64), the
+        codes as 32-bit words (64, 32) and the scale bytes (64, 16)."""
         _wgmma_pdl_wait(PDL)
-        pid_n = gl.program_id(0)
-        pid_k = gl.program_id(2)
+        pid_m = gl.program_id(0)
+        if WHOLE:
+            j = gl.program_id(1)
+            split = (j >= whole).to(gl.int32)
+            js = (j - whole) * split  # (0 for a whole tile)
+            tile_n = j * (1 - split) + (whole + js % (tiles_n - whole)) * split
+            pid_k = js // (tiles_n - whole)
+            s_lo = pid_k * split_steps
+            n = gl.minimum(split_steps + n_steps * (1 - split), n_steps - s_lo)  # (every split non-empty)
+        else:
+            tile_n = gl.program_id(1)
+            pid_k = gl.program_id(2)
+            s_lo = pid_k * split_steps
+            n = gl.minimum(split_steps, n_steps - s_lo)  # (the host makes every split non-empty)
         w_bufs = gl.allocate_shared_memory(gl.int32, [STAGES * NWG, 64, 32], w_desc.layout)
         s_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES * NWG, 64, 16], s_desc.layout)
         x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, 4 * BT, 64], x_desc.layout)
@@ -1287,26 +1318,27 @@ if HAS_GLUON:
         for b in gl.static_range(STAGES):
             mbarrier.init(ready.index(b), count=1)
             mbarrier.init(empty.index(b), count=NWG)
-        s_lo = pid_k * split_steps
-        n = gl.minimum(split_steps, n_steps - s_lo)  # (the host makes every split non-empty)
         # the partitions: consumer 0 in this program's 4 warps, the producer warp, [consumer 1 in 4 more]. Each
         # list is spelled out whole: Gluon (triton 3.6) will not hold a (function, args) pair in a variable
         # ("cannot convert JITFunction to tensor", session 14), so the NWG = 1 list cannot be reused in the other.
         if NWG == 1:
             gl.warp_specialize([
-                (_ws_consumer, (w_bufs, s_bufs, x_bufs, ready, empty, n, 0, pid_k, gs_ptr, bias_ptr, y_ptr, part_ptr,
-                                lock_ptr, M, N, stride_ym, BT, STAGES, NWG, SPLIT_K, GS_PER_ROW, HAS_BIAS, F16)),
-                (_ws_producer, (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, pid_n * 64,
-                                gl.program_id(1) * BT, s_lo, n, BT, STAGES, NWG)),
+                (_ws_consumer, (w_bufs, s_bufs, x_bufs, ready, empty, n, 0, tile_n, pid_m, pid_k, tiles_n, whole,
+                                gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M, N, stride_ym, BT, STAGES, NWG, SPLIT_K,
+                                WHOLE, GS_PER_ROW, HAS_BIAS, F16)),
+                (_ws_producer, (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, tile_n * 64,
+                                pid_m * BT, s_lo, n, BT, STAGES, NWG)),
             ], [1], [24])
         else:
             gl.warp_specialize([
-                (_ws_consumer, (w_bufs, s_bufs, x_bufs, ready, empty, n, 0, pid_k, gs_ptr, bias_ptr, y_ptr, part_ptr,
-                                lock_ptr, M, N, stride_ym, BT, STAGES, NWG, SPLIT_K, GS_PER_ROW, HAS_BIAS, F16)),
-                (_ws_producer, (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, pid_n * 64 * NWG,
-                                gl.program_id(1) * BT, s_lo, n, BT, STAGES, NWG)),
-                (_ws_consumer, (w_bufs, s_bufs, x_bufs, ready, empty, n, 1, pid_k, gs_ptr, bias_ptr, y_ptr, part_ptr,
-                                lock_ptr, M, N, stride_ym, BT, STAGES, NWG, SPLIT_K, GS_PER_ROW, HAS_BIAS, F16)),
+                (_ws_consumer, (w_bufs, s_bufs, x_bufs, ready, empty, n, 0, tile_n, pid_m, pid_k, tiles_n, whole,
+                                gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M, N, stride_ym, BT, STAGES, NWG, SPLIT_K,
+                                WHOLE, GS_PER_ROW, HAS_BIAS, F16)),
+                (_ws_producer, (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, tile_n * 64 * NWG,
+                                pid_m * BT, s_lo, n, BT, STAGES, NWG)),
+                (_ws_consumer, (w_bufs, s_bufs, x_bufs, ready, empty, n, 1, tile_n, pid_m, pid_k, tiles_n, whole,
+                                gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M, N, stride_ym, BT, STAGES, NWG, SPLIT_K,
+                                WHOLE, GS_PER_ROW, HAS_BIAS, F16)),
             ], [1, 4], [24, CONSUMER_REGS])
 
 
@@ -1382,7 +1414,8 @@ def plan_forward(M, N, K, dtype, device, mma=True):
             # two consumer warpgroups (128 weight rows a program) under 128-row tiles of x, except for o_proj's
             # 3584 x 3584 at 256 rows (one: 18.8 us, two: 19.9 or more)
             nwg = 2 if bt == 128 and (N > 4096 or K >= 8192) else 1
-            return dict(kernel="wgmma", BT=bt, BLOCK_K=256, SPLIT_K=split, STAGES=2, NWG=nwg)
+            plan = dict(kernel="wgmma", BT=bt, BLOCK_K=256, SPLIT_K=split, STAGES=2, NWG=nwg)
+            return dict(plan, **_last_wave_split(plan, M, N, K, device)) if split == 1 else plan
         if N >= 16384:
             bk, split = 256 if M <= 32 else 128, 1
         elif bt == 128:
@@ -1412,6 +1445,36 @@ def plan_forward(M, N, K, dtype, device, mma=True):
     else:
         cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLIT_K=2, num_warps=4, num_stages=4)
     return dict(kernel="tiled", GROUP_M=8, **cfg)
+
+
+def _last_wave_split(plan, M, N, K, device):
+    """For an unsplit warp-specialized plan whose tiles fill the GPU more than once but not a whole number
+    of times: WHOLE (tiles taken whole, by the full waves) and SPLIT_K for the rest, whose k-steps are
+    shared out over about one wave of programs. Else nothing. Gate/up at 64 rows of x has 592 tiles, two
+    programs an SM: 528 whole in two waves, then 64 split four ways, where the last wave had 64 programs
+    for 264 places (H200, results/fp4_gemm_h200.md, session 22)."""
+    nwg, m_tiles = plan["NWG"], triton.cdiv(M, plan["BT"])
+    tiles_n = triton.cdiv(N, 64 * nwg)
+    places = _ws_programs_per_sm(plan) * _sm_count(device)
+    whole = tiles_n * m_tiles // places * places // m_tiles  # weight tiles of the full waves
+    left = (tiles_n - whole) * m_tiles
+    split = min(K // 256, places // left) if left else 1
+    return dict(WHOLE=whole, SPLIT_K=split) if whole and split > 1 else {}
+
+
+def _ws_programs_per_sm(plan):
+    """How many programs of a warp-specialized plan an H100 / H200 SM holds: 227 KB of shared memory a
+    program at most (228 an SM, 1 reserved a program) for the ring (codes, scales and x of every stage),
+    and 64K registers (the launch's maxnreg, 128 or 168, for each of 4 · NWG + 1 warps)."""
+    nwg, bt = plan["NWG"], plan["BT"]
+    ring = plan["STAGES"] * (nwg * (64 * 32 * 4 + 64 * 16) + 4 * bt * 64 * 2)
+    regs = (128 if nwg == 1 else 168) * 32 * (4 * nwg + 1)
+    return max(1, min((228 << 10) // (ring + (1 << 10)), 65536 // regs))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device):
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _wgmma_rows_of_x(M, N, K):
@@ -1626,19 +1689,25 @@ def _wgmma_linear(x2, packed, scale_u8, gs, bias, plan, x_k_ordered=False):
     steps = K // bk
     split_steps = triton.cdiv(steps, plan["SPLIT_K"])
     split = triton.cdiv(steps, split_steps)  # (every split non-empty)
+    # tiles of 64 · NWG weight rows: with WHOLE (warp-specialized plans), the first ones unsplit, the rest split
+    nwg, tiles_n, m_tiles = plan.get("NWG", 1), triton.cdiv(N, 64 * plan.get("NWG", 1)), triton.cdiv(M, bt)
+    whole = min(plan.get("WHOLE", 0), tiles_n) if ws else 0
+    split, whole = (1, 0) if whole == tiles_n else (split, whole)
     y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
-    part = torch.empty(split, M, N, dtype=torch.float32, device=x2.device) if split > 1 else y
+    part = torch.empty(split, M, N - 64 * nwg * whole, dtype=torch.float32, device=x2.device) if split > 1 else y
     flags = dict(SPLIT_K=split, GS_PER_ROW=gs.numel() > 1, HAS_BIAS=bias is not None, F16=x2.dtype == torch.float16,
                  num_warps=4, **pdl_opts(x2.device))
     bias = bias if bias is not None else gs
     if not ws:
-        grid = (triton.cdiv(N, 64), triton.cdiv(M, bt), split)
+        grid = (triton.cdiv(N, 64), m_tiles, split)
         _wgmma_kernel[grid](xp, packed, scale_u8, gs, bias, y, part, _locks(x2.device, grid[0] * grid[1]), M, N, steps,
                             xp.stride(0), y.stride(0), packed.stride(0) // 4, scale_u8.stride(0), split_steps, BT=bt,
                             BK=bk, **flags)
         return y
-    nwg = plan.get("NWG", 1)
-    grid = (triton.cdiv(N, 64 * nwg), triton.cdiv(M, bt), split)
+    # the tiles of x side by side (the grid's first axis): each weight tile is read from memory once, by
+    # programs that run together
+    some_whole = whole > 0 and split > 1
+    grid = (m_tiles, whole + (tiles_n - whole) * split) if some_whole else (m_tiles, tiles_n, split)
     swizzled = lambda bits: gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=bits, rank=2)
     x_desc = TensorDescriptor.from_tensor(xp, [bt, 64], swizzled(16))
     w_desc = TensorDescriptor.from_tensor(packed.view(torch.int32), [64, 32], swizzled(32))
@@ -1647,9 +1716,10 @@ def _wgmma_linear(x2, packed, scale_u8, gs, bias, plan, x_k_ordered=False):
     # Registers: `regs` a thread for every warpgroup of the program (the producer's counts as one); the
     # partitions then trade them (setmaxnreg): the producer keeps 24, the consumers share the rest evenly.
     regs = 128 if nwg == 1 else 168
-    _wgmma_ws_kernel[grid](x_desc, w_desc, s_desc, gs, bias, y, part, _locks(x2.device, grid[0] * nwg * grid[1]), M,
-                           N, steps, y.stride(0), split_steps, BT=bt, STAGES=plan["STAGES"], NWG=nwg,
-                           CONSUMER_REGS=((nwg + 1) * regs - 24) // nwg // 8 * 8, maxnreg=regs, **flags)
+    _wgmma_ws_kernel[grid](x_desc, w_desc, s_desc, gs, bias, y, part, _locks(x2.device, tiles_n * nwg * m_tiles), M,
+                           N, steps, y.stride(0), split_steps, tiles_n, whole, BT=bt, STAGES=plan["STAGES"], NWG=nwg,
+                           WHOLE=some_whole, CONSUMER_REGS=((nwg + 1) * regs - 24) // nwg // 8 * 8, maxnreg=regs,
+                           **flags)
     return y
 
 
@@ -1666,7 +1736,7 @@ def _runnable_plan(x2, packed, scale_u8, plan=None):
     if "STAGES" in plan and plan["BLOCK_K"] != 256:
         raise ValueError(f"the warp-specialized wgmma kernel takes k-steps of 256, not {plan['BLOCK_K']}")
     if "STAGES" in plan and not _tma_fits(packed, scale_u8):
-        plan = {k: v for k, v in plan.items() if k not in ("STAGES", "NWG")}
+        plan = {k: v for k, v in plan.items() if k not in ("STAGES", "NWG", "WHOLE")}
     return plan
 
 
@@ -2107,6 +2177,8 @@ def _candidates(M, N, K, direction):
                     if stages * (nwg * 9216 + bt * 512) <= 220 * 1024:
                         for split in (1, 2, 4, 8) + ((16,) if K >= 8192 else ()):
                             c.append(dict(kernel="wgmma", BT=bt, BLOCK_K=256, SPLIT_K=split, STAGES=stages, NWG=nwg))
+                        last = _last_wave_split(c[-1], M, N, K, torch.device("cuda"))  # (the split-1 plan's)
+                        c += [dict(c[-1], **last)] if last else []
     if 16 < M <= 64:
         for bm in (32, 64) if M <= 32 else (64,):
             for bn in (32, 64, 128):
@@ -2227,6 +2299,7 @@ def _measure(name, M, direction, plans, log):
 def _kernel_label(p):
     """A plan as the table's kernel column: 'mma 64 rows split4 w4', 'tiled 16x64x128 split4 w4s4', ..."""
     split = f" split{p['SPLIT_K']}" if p.get("SPLIT_K", 1) > 1 else ""
+    split += f" after {p['WHOLE']} whole" if p.get("WHOLE") else ""
     if p["kernel"] == "dequant":
         return "dequant+cuBLAS" + (" {}x{} w{}".format(*p["DQ"]) if p.get("DQ") else "")
     if p["kernel"] == "mma":

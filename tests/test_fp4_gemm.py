@@ -431,7 +431,7 @@ def test_gpu_wgmma_ws_against_float64(dtype, poisoned):
     split-K, two consumer warpgroups with rows past N, bias, per-row global scales; equal
     bit for bit to the kernel without the producer on the same tiles (same slices, same order), and
     deterministic, with the counters back at zero; codes that TMA cannot read fall back to that kernel;
-    replayed inside a CUDA graph."""
+    replayed inside a CUDA graph. Then plans that split only the tiles after WHOLE."""
     for M, K, N, bt, split, stages, nwg, bias, per_row in (
             (1, 512, 200, 8, 1, 4, 1, True, True), (5, 2304, 72, 8, 4, 2, 1, False, True),
             (8, 1536, 136, 8, 2, 6, 2, True, False), (9, 256, 40, 16, 1, 4, 1, True, True),
@@ -458,6 +458,22 @@ def test_gpu_wgmma_ws_against_float64(dtype, poisoned):
     got = fp4_gemm.triton_linear(x, packed, scale, wide.global_scale, None, plan)
     assert torch.equal(got, fp4_gemm.triton_linear(x, packed, scale, wide.global_scale, None, tiles))
     assert_replays_in_a_graph(lambda x: fp4_gemm.triton_linear(x, *args, plan), x)
+    # the last wave's tiles split (WHOLE), several tiles of x: the tiles before WHOLE equal the unsplit
+    # plan's bit for bit, the others the split plan's (same slices, same order)
+    for M, K, N, bt, nwg, whole, split, bias in ((100, 1536, 520, 64, 1, 5, 3, True),
+                                                 (130, 2048, 1000, 128, 2, 2, 4, False)):
+        q = make_q(N, K, True, seed=M + K)
+        x = torch.randn(M, K, dtype=dtype, device=DEV)
+        b = torch.randn(N, dtype=dtype, device=DEV) if bias else None
+        args = (q.packed, q.scale.view(torch.uint8), q.global_scale, b)
+        plan = dict(kernel="wgmma", BT=bt, BLOCK_K=256, SPLIT_K=split, STAGES=2, NWG=nwg)
+        y = fp4_gemm.triton_linear(x, *args, dict(plan, WHOLE=whole))
+        ref = x.double().cpu() @ ref_weight(q.packed, q.scale, q.global_scale).t() + (b.double().cpu() if bias else 0)
+        assert rel_err(y, ref) < (4e-3 if dtype == torch.bfloat16 else 1e-3), (M, K, N, rel_err(y, ref))
+        r = 64 * nwg * whole
+        assert torch.equal(y[:, :r], fp4_gemm.triton_linear(x, *args, dict(plan, SPLIT_K=1))[:, :r])
+        assert torch.equal(y[:, r:], fp4_gemm.triton_linear(x, *args, plan)[:, r:])
+        assert not fp4_gemm._locks(x.device).any()
 
 
 @gpu_only
@@ -479,6 +495,7 @@ def test_hopper_plans_are_configs_the_sweep_tries(monkeypatch):
     with k-steps of 256; dequant + cuBLAS above 256."""
     monkeypatch.setattr(fp4_gemm, "_is_hopper", lambda device: True)
     monkeypatch.setattr(fp4_gemm, "HAS_GLUON", True)
+    monkeypatch.setattr(fp4_gemm, "_sm_count", lambda device: 132)
     cuda = torch.device("cuda")  # plan_forward's GPU table; nothing runs on a GPU here
     shapes = [(3584, 4608), (3584, 3584), (3584, 37888), (18944, 3584),  # 7B: K, N of q/k/v, o, gate/up, down
               (5120, 7168), (5120, 5120), (5120, 27648), (13824, 5120),  # 14B
@@ -493,9 +510,32 @@ def test_hopper_plans_are_configs_the_sweep_tries(monkeypatch):
             assert "STAGES" not in plan or plan["BLOCK_K"] == 256
 
 
-def test_bench_table_names_every_planned_kernel():
+def test_last_wave_split_fills_the_gpu(monkeypatch):
+    """An unsplit warp-specialized plan with more tiles than one wave of programs keeps the full waves'
+    tiles whole and splits the rest about as many ways as one wave has places for them; with fewer
+    tiles than a wave, or whole waves, nothing changes. (132 SMs as an H200; two programs an SM hold
+    64-row tiles of x with one consumer warpgroup, one holds 128-row tiles with two.)"""
+    monkeypatch.setattr(fp4_gemm, "_sm_count", lambda device: 132)
+    cuda = torch.device("cuda")  # nothing runs on a GPU here
+    one = dict(kernel="wgmma", BT=64, BLOCK_K=256, SPLIT_K=1, STAGES=2, NWG=1)
+    two = dict(one, BT=128, NWG=2)
+    assert fp4_gemm._ws_programs_per_sm(one) == 2 and fp4_gemm._ws_programs_per_sm(two) == 1
+    # gate/up (37888 rows, K 3584 = 14 k-steps): 592 tiles of 64 = 2 waves of 264 + 64 split 4 ways
+    assert fp4_gemm._last_wave_split(one, 64, 37888, 3584, cuda) == dict(WHOLE=528, SPLIT_K=4)
+    # 296 tiles of 128 at 128 rows: 264 + 32 x 4; at 256 rows (two tiles of x) 2 x 264 + 64 x 2
+    assert fp4_gemm._last_wave_split(two, 128, 37888, 3584, cuda) == dict(WHOLE=264, SPLIT_K=4)
+    assert fp4_gemm._last_wave_split(two, 256, 37888, 3584, cuda) == dict(WHOLE=264, SPLIT_K=2)
+    # no more splits than k-steps: 2 k-steps, 265 tiles
+    assert fp4_gemm._last_wave_split(one, 64, 265 * 64, 512, cuda) == dict(WHOLE=264, SPLIT_K=2)
+    assert fp4_gemm._last_wave_split(one, 64, 264 * 64, 3584, cuda) == {}  # exactly one wave
+    assert fp4_gemm._last_wave_split(one, 64, 200 * 64, 3584, cuda) == {}  # less than one
+    assert fp4_gemm._last_wave_split(one, 64, 527 * 64, 3584, cuda) == {}  # 263 left: no room to split
+
+
+def test_bench_table_names_every_planned_kernel(monkeypatch):
     """`python fp4_gemm.py --bench` prints one table row per problem whatever kernel the per-shape plan
     picked (a missing key in one plan kind once lost a GPU run's table)."""
+    monkeypatch.setattr(fp4_gemm, "_sm_count", lambda device: 132)
     cuda = torch.device("cuda")  # plan_forward's GPU table; nothing runs on a GPU here
     rows = []
     for i, (M, (K, parts, _)) in enumerate([(M, s) for M in fp4_gemm.BENCH_M for s in fp4_gemm.QWEN7B_SHAPES.values()]):
