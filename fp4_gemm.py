@@ -1411,6 +1411,10 @@ def plan_forward(M, N, K, dtype, device, mma=True):
             # layer 2-15% faster at 128-256 (at 256, q/k/v, o and down ran dequant + cuBLAS before: down 37%
             # faster); no gain at 32 rows or fewer, where the plain kernel's own prefetch keeps up
             split = 1 if N >= 16384 else (4 if M <= 128 else 2) if K >= 8192 else 2 if M <= 64 else 1
+            if split == 2 and N > K and 3 * triton.cdiv(N, 64) <= _sm_count(device) * 2:  # q/k/v when 3 splits of
+                # its tiles fill at most one wave (two programs an SM): 7B at 33-64 rows 13.4-14.0 -> 11.9-12.6 us;
+                # o (N = K) lost with 3 or 4 (results/fp4_gemm_h200.md, session 22)
+                split = 3
             # two consumer warpgroups (128 weight rows a program) under 128-row tiles of x, except for o_proj's
             # 3584 x 3584 at 256 rows (one: 18.8 us, two: 19.9 or more)
             nwg = 2 if bt == 128 and (N > 4096 or K >= 8192) else 1
@@ -2175,10 +2179,10 @@ def _candidates(M, N, K, direction):
             for nwg in (1, 2):
                 for stages in (2, 4):
                     if stages * (nwg * 9216 + bt * 512) <= 220 * 1024:
-                        for split in (1, 2, 4, 8) + ((16,) if K >= 8192 else ()):
-                            c.append(dict(kernel="wgmma", BT=bt, BLOCK_K=256, SPLIT_K=split, STAGES=stages, NWG=nwg))
-                        last = _last_wave_split(c[-1], M, N, K, torch.device("cuda"))  # (the split-1 plan's)
-                        c += [dict(c[-1], **last)] if last else []
+                        tiles = dict(kernel="wgmma", BT=bt, BLOCK_K=256, STAGES=stages, NWG=nwg)
+                        c += [dict(tiles, SPLIT_K=s) for s in (1, 2, 3, 4, 8) + ((16,) if K >= 8192 else ())]
+                        last = _last_wave_split(tiles, M, N, K, torch.device("cuda"))  # (its own SPLIT_K)
+                        c += [dict(tiles, **last)] if last else []
     if 16 < M <= 64:
         for bm in (32, 64) if M <= 32 else (64,):
             for bn in (32, 64, 128):
