@@ -84,8 +84,11 @@ Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
   warp-specialized variant runs: one producer warp fills a 2-deep ring of shared-memory stages by TMA
   and the warpgroups only decode and multiply. It took down at 64 rows from 33.1 to 28.7 us, and at
   128-256 rows it is 2-15% faster than the plain kernel (down at 256: 37% faster than dequant + cuBLAS).
-  At M = 64 1.60x / 1.60x cuBLAS for gate/up / down and 0.92x / 0.89x for q/k/v / o; at M = 128 1.09x /
-  1.18x and 0.69x / 0.75x; at M = 256 0.81x / 0.85x and 0.66x / 0.73x. At 1-32 rows it ties or loses,
+  Where a layer's tiles fill the GPU more than once but leave a partial last wave (gate/up), only the
+  tiles left over are split K-wise, over about one more wave (plan WHOLE): gate/up 9-11% faster at 33-128
+  rows. At M = 64 1.74x / 1.61x cuBLAS for gate/up / down and 1.02x / 0.92x for q/k/v / o; at M = 256
+  0.86x / 0.84x and 0.66x / 0.74x (session 22); at M = 128, before the last wave's split (which took
+  gate/up there from 75 to 67 us), 1.09x / 1.18x and 0.69x / 0.75x. At 1-32 rows it ties or loses,
   also with 8-row tiles and 4-6 stages (the plain kernel's own prefetch keeps up; at one row the mma
   kernel takes 7-26% less time, at 4-8 rows the plain kernel 1-8%).
   A caller whose own kernel produces x can store it in the K order itself and skip that launch
@@ -1477,7 +1480,7 @@ def _ws_programs_per_sm(plan):
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device):
+def _sm_count(device):  # (asked by plan_forward on every call of a layer: cached)
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -1678,8 +1681,9 @@ def _x_rows(M, plan):
 def _wgmma_linear(x2, packed, scale_u8, gs, bias, plan, x_k_ordered=False):
     """The wgmma kernel's launch: x permuted along K (k_ordered) into a buffer of _x_rows, then one launch
     that also sums its split-K partials. A plan with STAGES runs the warp-specialized variant (TMA
-    descriptors of x, codes and scales). x_k_ordered: x2 is in that order already, the first M rows of a
-    buffer of _x_rows where its storage holds them (else the TMA copies zero-fill past M)."""
+    descriptors of x, codes and scales; with WHOLE, only the weight tiles from WHOLE on split K).
+    x_k_ordered: x2 is in that order already, the first M rows of a buffer of _x_rows where its storage
+    holds them (else the TMA copies zero-fill past M)."""
     M, K = x2.shape
     N = packed.shape[0]
     bt, bk, ws = plan["BT"], plan["BLOCK_K"], "STAGES" in plan
