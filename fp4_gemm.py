@@ -1414,14 +1414,15 @@ def plan_forward(M, N, K, dtype, device, mma=True):
             # layer 2-15% faster at 128-256 (at 256, q/k/v, o and down ran dequant + cuBLAS before: down 37%
             # faster); no gain at 32 rows or fewer, where the plain kernel's own prefetch keeps up
             split = 1 if N >= 16384 else (4 if M <= 128 else 2) if K >= 8192 else 2 if M <= 64 else 1
-            if split == 2 and N > K and 3 * triton.cdiv(N, 64) <= _sm_count(device) * 2:  # q/k/v when 3 splits of
-                # its tiles fill at most one wave (two programs an SM): 7B at 33-64 rows 13.4-14.0 -> 11.9-12.6 us;
-                # o (N = K) lost with 3 or 4 (results/fp4_gemm_h200.md, session 22)
-                split = 3
             # two consumer warpgroups (128 weight rows a program) under 128-row tiles of x, except for o_proj's
             # 3584 x 3584 at 256 rows (one: 18.8 us, two: 19.9 or more)
             nwg = 2 if bt == 128 and (N > 4096 or K >= 8192) else 1
             plan = dict(kernel="wgmma", BT=bt, BLOCK_K=256, SPLIT_K=split, STAGES=2, NWG=nwg)
+            tiles = triton.cdiv(N, 64 * nwg) * triton.cdiv(M, bt)
+            if split == 2 and N > K and 3 * tiles <= _ws_places(plan, device):  # q/k/v when 3 splits of its
+                # tiles fill at most one wave: 7B at 33-64 rows 13.4-14.0 -> 11.9-12.6 us; o (N = K) lost with 3
+                # or 4 (results/fp4_gemm_h200.md, session 22)
+                plan["SPLIT_K"] = 3
             return dict(plan, **_last_wave_split(plan, M, N, K, device)) if split == 1 else plan
         if N >= 16384:
             bk, split = 256 if M <= 32 else 128, 1
@@ -1460,13 +1461,17 @@ def _last_wave_split(plan, M, N, K, device):
     shared out over about one wave of programs. Else nothing. Gate/up at 64 rows of x has 592 tiles, two
     programs an SM: 528 whole in two waves, then 64 split four ways, where the last wave had 64 programs
     for 264 places (H200, results/fp4_gemm_h200.md, session 22)."""
-    nwg, m_tiles = plan["NWG"], triton.cdiv(M, plan["BT"])
-    tiles_n = triton.cdiv(N, 64 * nwg)
-    places = _ws_programs_per_sm(plan) * _sm_count(device)
+    m_tiles, tiles_n = triton.cdiv(M, plan["BT"]), triton.cdiv(N, 64 * plan["NWG"])
+    places = _ws_places(plan, device)
     whole = tiles_n * m_tiles // places * places // m_tiles  # weight tiles of the full waves
     left = (tiles_n - whole) * m_tiles
     split = min(K // 256, places // left) if left else 1
     return dict(WHOLE=whole, SPLIT_K=split) if whole and split > 1 else {}
+
+
+def _ws_places(plan, device):
+    """How many programs of a warp-specialized plan the GPU runs at once (one wave)."""
+    return _ws_programs_per_sm(plan) * _sm_count(device)
 
 
 def _ws_programs_per_sm(plan):
@@ -1698,7 +1703,8 @@ def _wgmma_linear(x2, packed, scale_u8, gs, bias, plan, x_k_ordered=False):
     split_steps = triton.cdiv(steps, plan["SPLIT_K"])
     split = triton.cdiv(steps, split_steps)  # (every split non-empty)
     # tiles of 64 · NWG weight rows: with WHOLE (warp-specialized plans), the first ones unsplit, the rest split
-    nwg, tiles_n, m_tiles = plan.get("NWG", 1), triton.cdiv(N, 64 * plan.get("NWG", 1)), triton.cdiv(M, bt)
+    nwg = plan.get("NWG", 1)
+    tiles_n, m_tiles = triton.cdiv(N, 64 * nwg), triton.cdiv(M, bt)
     whole = min(plan.get("WHOLE", 0), tiles_n) if ws else 0
     split, whole = (1, 0) if whole == tiles_n else (split, whole)
     y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)

@@ -513,9 +513,12 @@ def test_hopper_plans_are_configs_the_sweep_tries(monkeypatch):
 def test_last_wave_split_fills_the_gpu(monkeypatch):
     """An unsplit warp-specialized plan with more tiles than one wave of programs keeps the full waves'
     tiles whole and splits the rest about as many ways as one wave has places for them; with fewer
-    tiles than a wave, or whole waves, nothing changes. (132 SMs as an H200; two programs an SM hold
-    64-row tiles of x with one consumer warpgroup, one holds 128-row tiles with two.)"""
+    tiles than a wave, or whole waves, nothing changes. The same wave sets q/k/v's three splits at
+    33-64 rows. (132 SMs as an H200; two programs an SM hold 64-row tiles of x with one consumer
+    warpgroup, one holds 128-row tiles with two.)"""
     monkeypatch.setattr(fp4_gemm, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(fp4_gemm, "_is_hopper", lambda device: True)
+    monkeypatch.setattr(fp4_gemm, "HAS_GLUON", True)
     cuda = torch.device("cuda")  # nothing runs on a GPU here
     one = dict(kernel="wgmma", BT=64, BLOCK_K=256, SPLIT_K=1, STAGES=2, NWG=1)
     two = dict(one, BT=128, NWG=2)
@@ -530,6 +533,11 @@ def test_last_wave_split_fills_the_gpu(monkeypatch):
     assert fp4_gemm._last_wave_split(one, 64, 264 * 64, 3584, cuda) == {}  # exactly one wave
     assert fp4_gemm._last_wave_split(one, 64, 200 * 64, 3584, cuda) == {}  # less than one
     assert fp4_gemm._last_wave_split(one, 64, 527 * 64, 3584, cuda) == {}  # 263 left: no room to split
+    # q/k/v (72 tiles) splits three ways at 33-64 rows, where that fits one wave; o (56 tiles, N = K) two
+    for M in (33, 64):
+        assert fp4_gemm.plan_forward(M, 4608, 3584, torch.bfloat16, cuda)["SPLIT_K"] == 3
+        assert fp4_gemm.plan_forward(M, 3584, 3584, torch.bfloat16, cuda)["SPLIT_K"] == 2
+    assert fp4_gemm.plan_forward(64, 7168, 5120, torch.bfloat16, cuda)["SPLIT_K"] == 2  # 14B q/k/v: 112 tiles
 
 
 def test_bench_table_names_every_planned_kernel(monkeypatch):
