@@ -187,6 +187,24 @@ def test_samples_share_the_prompt_prefill(hf_folder):
     assert r.tokens.shape[0] == 15 and seen[1:] == [(15,)] * 3  # then one decode step of all rows per token
 
 
+@pytest.mark.parametrize("kernels", ["torch", pytest.param("triton", marks=interpreted)])
+def test_prefill_in_chunks_gives_the_same_rollout(hf_folder, monkeypatch, kernels):
+    """A prefill split into chunks of whole prompts (PREFILL_CHUNK_TOKENS) writes each chunk's K/V into the
+    rows of its own prompts' samples, from a row past the first chunk's: the same rollout as in one pass."""
+    _, model = load(hf_folder, seed=10)
+    prompts = prompts_of([6, 2, 9], 97, seed=9)
+    kw = dict(n=2, max_new_tokens=5, temperature=1.0, seed=3, kernels=kernels)
+    ref = rollout.generate(model, prompts, **kw)
+    monkeypatch.setattr(rollout, "PREFILL_CHUNK_TOKENS", 9)  # one prompt (padded to 9 tokens) a chunk
+    seen = []
+    hook = model.embed_tokens.register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
+    got = rollout.generate(model, prompts, **kw)
+    hook.remove()
+    assert [s for s in seen if len(s) == 2] == [(1, 9)] * 3
+    assert torch.equal(ref.tokens, got.tokens) and not torch.equal(got.tokens[0], got.tokens[2])
+    assert torch.allclose(ref.logprobs, got.logprobs, atol=1e-5)
+
+
 @interpreted
 def test_samples_of_a_prompt_read_its_cached_prompt_together(hf_folder, monkeypatch):
     """The kernels attend over a group's shared prompt from its first row's cache only: the other rows'
