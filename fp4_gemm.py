@@ -1110,8 +1110,7 @@ if HAS_GLUON:
 
     @gluon.jit
     def _wgmma_split_sum(acc, rows, toks, mask, tile, pid_k, row0, gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M, N,
-                         stride_ym, BT: gl.constexpr, SPLIT_K: gl.constexpr, GS_PER_ROW: gl.constexpr,
-                         HAS_BIAS: gl.constexpr):
+                         stride_ym, SPLIT_K: gl.constexpr, GS_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr):
         """Split K's end: this split's fp32 partial, then a ticket; the tile's last program sums the partials
         in order and stores y. The partials (SPLIT_K, M, N - row0) hold the weight rows from row0 on."""
         n_part = N - row0
@@ -1147,10 +1146,10 @@ if HAS_GLUON:
                 _wgmma_finish(acc, rows, toks, mask, gs_ptr, bias_ptr, y_ptr, N, stride_ym, GS_PER_ROW, HAS_BIAS)
             else:
                 _wgmma_split_sum(acc, rows, toks, mask, tile, pid_k, 64 * whole, gs_ptr, bias_ptr, y_ptr, part_ptr,
-                                 lock_ptr, M, N, stride_ym, BT, SPLIT_K, GS_PER_ROW, HAS_BIAS)
+                                 lock_ptr, M, N, stride_ym, SPLIT_K, GS_PER_ROW, HAS_BIAS)
         else:
             _wgmma_split_sum(acc, rows, toks, mask, tile, pid_k, 0, gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M, N,
-                             stride_ym, BT, SPLIT_K, GS_PER_ROW, HAS_BIAS)
+                             stride_ym, SPLIT_K, GS_PER_ROW, HAS_BIAS)
 
     @gluon.jit
     def _wgmma_kernel(x_ptr, wp_ptr, ws_ptr, gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M, N, n_steps, stride_xm,
