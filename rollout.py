@@ -14,8 +14,8 @@ The layout, for P prompts of lengths l_i, n samples each (N = P·n rows, row r =
                     (for a short prefill on the GPU, Lp rounded up to a multiple of PREFILL_BUCKET)
     positions       row i's real tokens sit at positions 0 … l_i − 1 whatever its padding pad_i = Lp − l_i
     prefill         each distinct prompt ONCE (P rows, the model's forward through the step's fused
-                    projections), its K/V written to its n rows of the cache; the first token of each
-                    row is sampled from those logits. Up to PREFILL_GRAPH_TOKENS prompt tokens it is a
+                    projections and kernels), its K/V written to its n rows of the cache; the first token
+                    of each row is sampled from those logits. Up to PREFILL_GRAPH_TOKENS prompt tokens it is a
                     CUDA graph per (P, Lp), captured the first time the shape comes
     decode step t   token t−1 of every row enters at column Lp + t − 1, position l_i + t − 1; the row
                     attends to columns [pad_i, Lp + t − 1]; one token per row is sampled
@@ -126,7 +126,10 @@ the host at small batches: 66-116 ms for one 256-token prompt, of which about 11
 four of 256 or one of 1000 in 32-33 ms, against 52-116 ms eagerly, eight of 256 in 55-56 ms against 60-104,
 with the same tokens; the first call of a shape runs eagerly and captures (107-239 ms). Prompt lengths are
 rounded up to a multiple of 64 there, so that nearby lengths share a graph. Longer prefills keep the GPU
-busy eagerly. In session 18's profile (eager steps at 128 new tokens, so without the overlap programmatic
+busy eagerly. Since session 23 the prefill also runs the step's add_rmsnorm and rope_write kernels (the
+rotary embedding, LoRA B of q|k|v and the K/V writes in one), and SDPA reads the kv heads unexpanded: 64
+prompts of 256 tokens in 360 ms instead of 414 (the GEMMs ~310), eight in 47-49 ms instead of 56 (graphed).
+In session 18's profile (eager steps at 128 new tokens, so without the overlap programmatic
 dependent launch gives the graph), batch 1's 2.63 ms of kernel time were fp4_gemm's GEMMs with the LoRA-A
 products riding in them 1.82 (3.67 GB at 2.0 TB/s, the tensor-core `mma` kernel), cuBLAS's lm_head 0.25, and
 this file's kernels 0.55 (attention 0.15, LoRA B 0.11, silu_mul 0.10, add_rmsnorm 0.10, rope_write 0.09);
