@@ -161,6 +161,7 @@ import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from functools import cached_property
 from types import SimpleNamespace
 
 import torch
@@ -170,7 +171,7 @@ import torch.nn.functional as F
 import fp4_gemm  # imported before triton: on a CPU-only machine it switches Triton's interpreter on
 import lora
 from model import (Transformer, apply_rope, load_tokenizer, qwen25_config, read_config, resolve_device,
-                   rope_cos_sin, stop_on_bad_input, stop_token_ids)
+                   stop_on_bad_input, stop_token_ids)
 
 try:
     import triton
@@ -808,6 +809,10 @@ class _State:
                 if k_step and grp.R:
                     grp.k_ordered_A(k_step)  # (allocated here, filled by every refresh)
 
+    def rope_at(self, pos):
+        """The rotary cos, sin (*pos.shape, D) at positions pos, from the tables (as model.rope_cos_sin)."""
+        return tuple(torch.cat([t[pos], t[pos]], -1) for t in (self.cos, self.sin))
+
 
 class _PrefillCache:
     """The attention of the prefill of P distinct prompts (Decoder.prompt_hidden), tokens (P, Lp) left-padded
@@ -815,15 +820,20 @@ class _PrefillCache:
     [0, Lp) (Decoder.prompt_rope_write), and each prompt's queries over its own columns (causal, padding
     masked)."""
 
-    def __init__(self, st, row0, n, pad, Lp, inv_freq, dtype):
+    def __init__(self, st, row0, n, pad, Lp):
         self.st, self.row0, self.n, self.pad, self.Lp = st, row0, n, pad, Lp
         kpos = torch.arange(Lp, device=pad.device)
-        positions = (kpos[None] - pad[:, None]).clamp(min=0)  # (P, Lp): padding at position 0
-        self.cos, self.sin = rope_cos_sin(positions, inv_freq, dtype)  # (P, 1, Lp, D), for the torch path
         qpos = kpos[:, None]
         # a padding query sees only itself, so that no row of the mask is empty (NaN)
         self.mask = (kpos[None, None] <= qpos) & ((kpos[None, None] >= pad[:, None, None]) | (kpos == qpos))
         self.mask = self.mask[:, None]  # (P, 1, Lp, Lp)
+
+    @cached_property
+    def cos_sin(self):
+        """The rotary cos / sin (P, 1, Lp, D) at the prompts' positions (padding at position 0), for the torch
+        path (the kernel reads the state's tables itself)."""
+        positions = (torch.arange(self.Lp, device=self.pad.device)[None] - self.pad[:, None]).clamp(min=0)
+        return tuple(t[:, None] for t in self.st.rope_at(positions))
 
     def rows(self, P):
         """The cache rows of P prompts' samples, and (every n-th) those of the prompts' first samples."""
@@ -909,8 +919,7 @@ class Decoder:
         row's position (M, 1, D) and the attention mask over the cache columns (M, S). Eagerly the host
         knows the length; inside a graph the mask must cover the whole cache."""
         pos = st.counters[0] - st.pad  # (M,)
-        cos = torch.cat([st.cos[pos], st.cos[pos]], -1)[:, None]  # (M, 1, D)
-        sin = torch.cat([st.sin[pos], st.sin[pos]], -1)[:, None]
+        cos, sin = (t[:, None] for t in st.rope_at(pos))  # (M, 1, D)
         kpos = torch.arange(st.host_col + 1 if st.host_col is not None else st.S, device=pos.device)
         valid = (kpos[None] >= st.pad[:, None]) & (kpos[None] <= st.counters[0])  # (M, S)
         return cos, sin, valid
@@ -946,7 +955,7 @@ class Decoder:
             return q.view(P, T, Hq, D).transpose(1, 2)
         q, k, v = self.add_b(grp, qkv, a).split([Hq * D, Hkv * D, Hkv * D], -1)
         heads = lambda t, H: t.reshape(P, T, H, D).transpose(1, 2)  # (P·T, H·D) → (P, H, T, D)
-        q, k = apply_rope(heads(q, Hq), heads(k, Hkv), cache.cos, cache.sin)
+        q, k = apply_rope(heads(q, Hq), heads(k, Hkv), *cache.cos_sin)
         both, n = cache.rows(P)[0], cache.n
         for c, t in ((cache.st.k, k), (cache.st.v, heads(v, Hkv))):
             c[layer, both, :, :T] = t.repeat_interleave(n, 0) if n > 1 else t
@@ -1185,7 +1194,7 @@ class Decoder:
     def prompt_logits(self, st, tokens, pad, row0, n):
         """The last logits (p, V) of prompts tokens (p, Lp) left-padded by pad (p,); their K/V into the n
         cache rows of each, from row row0 on."""
-        cache = _PrefillCache(st, row0, n, pad, tokens.shape[1], self.model.inv_freq, self.dtype)
+        cache = _PrefillCache(st, row0, n, pad, tokens.shape[1])
         return self.model.lm_head(self.prompt_hidden(tokens, cache))
 
     def capture_prefill(self, st, tokens, pad, n):
