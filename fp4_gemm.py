@@ -1473,14 +1473,19 @@ def _ws_places(plan, device):
     return _ws_programs_per_sm(plan) * _sm_count(device)
 
 
+def _ws_ring_bytes(plan):
+    """Shared memory of a warp-specialized plan's ring: codes (64 x 32 words) and scales (64 x 16 bytes) of
+    each warpgroup's weight rows, and x (4 · BT x 64 bf16), for every stage."""
+    return plan["STAGES"] * (plan["NWG"] * (64 * 32 * 4 + 64 * 16) + 4 * plan["BT"] * 64 * 2)
+
+
 def _ws_programs_per_sm(plan):
     """How many programs of a warp-specialized plan an H100 / H200 SM holds: 227 KB of shared memory a
-    program at most (228 an SM, 1 reserved a program) for the ring (codes, scales and x of every stage),
-    and 64K registers (the launch's maxnreg, 128 or 168, for each of 4 · NWG + 1 warps)."""
-    nwg, bt = plan["NWG"], plan["BT"]
-    ring = plan["STAGES"] * (nwg * (64 * 32 * 4 + 64 * 16) + 4 * bt * 64 * 2)
+    program at most (228 an SM, 1 reserved a program) for the ring (_ws_ring_bytes), and 64K registers
+    (the launch's maxnreg, 128 or 168, for each of 4 · NWG + 1 warps)."""
+    nwg = plan["NWG"]
     regs = (128 if nwg == 1 else 168) * 32 * (4 * nwg + 1)
-    return max(1, min((228 << 10) // (ring + (1 << 10)), 65536 // regs))
+    return max(1, min((228 << 10) // (_ws_ring_bytes(plan) + (1 << 10)), 65536 // regs))
 
 
 @functools.lru_cache(maxsize=None)
@@ -2187,8 +2192,8 @@ def _candidates(M, N, K, direction):
         for bt in [_wgmma_rows_of_x(min(M, 64), N, K)] + ([128] if M > 64 else []):
             for nwg in (1, 2):
                 for stages in (2, 4):
-                    if stages * (nwg * 9216 + bt * 512) <= 220 * 1024:
-                        tiles = dict(kernel="wgmma", BT=bt, BLOCK_K=256, STAGES=stages, NWG=nwg)
+                    tiles = dict(kernel="wgmma", BT=bt, BLOCK_K=256, STAGES=stages, NWG=nwg)
+                    if _ws_ring_bytes(tiles) <= 220 * 1024:
                         c += [dict(tiles, SPLIT_K=s) for s in (1, 2, 3, 4, 8) + ((16,) if K >= 8192 else ())]
                         last = _last_wave_split(tiles, M, N, K, torch.device("cuda"))  # (its own SPLIT_K)
                         c += [dict(tiles, **last)] if last else []
