@@ -110,8 +110,17 @@ rounds), computed in the kernel: no RNG state to carry through a graph, the same
 same tokens on every call, and the CPU path draws the same numbers (up to log() rounding).
 
 Finished rows. A row that samples a stop token is done: later steps write pad_id and logprob 0 for
-it, its attention reads nothing, and its GEMM rows ride along for free (the step is memory-bound).
-The host stops the loop when every row is done (checked every `check_every` steps).
+it and its attention reads nothing. Its GEMM rows are not free, though: a 7B NVFP4 step takes 2.4 ms at
+one row, 2.7 at 8 and 4.3 at 64 (results/rollout_h200.md). So when the host looks (every `check_every`
+steps, which costs one sync) and the live rows fit in half the batch or less, it moves them to the front
+(their cache up to the current column, their row state; the finished rows' outputs stay behind them)
+and goes on with a smaller state over the first 2^k rows of the same buffers (_State with a parent:
+views, with its own graph, captured the first time, mid-call, and kept for later calls: Decoder.shrink).
+A row keeps its row key and so draws the same noise as in the whole batch: the rollout is the same up
+to rounding (a GEMM of fewer rows may sum in another order, as the CPU's products of 1-3 rows do, which
+can flip a near-tie). 64 rows stopping after ~255 tokens on average, the longest at 1024: 4.46 -> 3.62 s
+a rollout on NVFP4 (128 rows: 6.24 -> 4.58 s); bf16, whose step costs nearly the same at any batch, gains
+0-13% (results/rollout_h200.md, session 24). The host stops the loop when every row is done.
 
 On the CPU (tests) the same step runs eagerly with torch ops in place of the Triton kernels; each
 fused op below has its torch reference next to its kernel, and the tests run both (the kernels
@@ -154,12 +163,15 @@ stacking costs no memory (`release(model)` frees the caches and graphs).
 
     python rollout.py --model qwen2.5-7b --prompt "What is 17 * 23?" --quant nvfp4
     python rollout.py --bench                  # the H200 table in results/rollout_h200.md
+    python rollout.py --bench --batches 64 --new-tokens 1024 --early-stop 256   # rows that stop early
 """
 import argparse
+import gc
 import math
 import sys
 import time
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 from types import SimpleNamespace
@@ -196,7 +208,7 @@ class Rollout:
     finish    list of "stop" (a stop token was sampled) or "length" (max_new_tokens reached)
     prompt_index (N,) int64   which prompt each row continues
     stats     timings and what ran (prefill_s, decode_s, steps, graphs, kernels, prefill: eager |
-              captured | replayed, ...)
+              captured | replayed, shrinks: [(step, rows)] where the live rows moved to fewer, ...)
     """
     tokens: torch.Tensor
     logprobs: torch.Tensor
@@ -755,28 +767,40 @@ class _Layer:
 
 class _State:
     """Everything one (N rows, S columns) shape needs, allocated once: the cache, the step's inputs and
-    outputs, and the scratch of the split kernels. A CUDA graph reads exactly these addresses."""
+    outputs, and the scratch of the split kernels. A CUDA graph reads exactly these addresses.
+    With `parent`, a smaller state for the first N rows of the parent's (Decoder.shrink): its per-row
+    tensors, counters, stop list and rotary tables are views of the parent's, its scratch and graphs its
+    own. The parent keeps them in `subs`, one per row count."""
 
-    def __init__(self, dec, N, S):
+    ROW_TENSORS = ("tok", "pad", "rowkey", "done", "stopped", "lengths", "out_tok", "out_lp")
+
+    def __init__(self, dec, N, S, parent=None):
         cfg, dev, dt = dec.cfg, dec.device, dec.dtype
         self.N, self.S = N, S
         L, Hkv, D, V = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
-        # zeros, not empty: the torch attention multiplies masked garbage by 0, and 0 * NaN is NaN
-        self.k = torch.zeros(L, N, Hkv, S, D, dtype=dt, device=dev)  # (L, N, Hkv, S, D)
-        self.v = torch.zeros(L, N, Hkv, S, D, dtype=dt, device=dev)
+        self.subs = {}
         i64 = dict(dtype=torch.int64, device=dev)
-        self.tok = torch.zeros(N, **i64)  # the token entering the next step
-        self.counters = torch.zeros(2, **i64)  # [cache column of that token, output step it samples]
-        self.pad = torch.zeros(N, **i64)  # left padding of each row = its first valid column
-        self.rowkey = torch.zeros(N, **i64)
-        self.done = torch.zeros(N, dtype=torch.int32, device=dev)
-        self.stopped = torch.zeros(N, dtype=torch.int32, device=dev)
-        self.lengths = torch.zeros(N, **i64)
-        self.out_tok = torch.zeros(N, S, **i64)
-        self.out_lp = torch.zeros(N, S, dtype=torch.float32, device=dev)
-        self.stops = torch.full((16,), -1, **i64)
-        pos = torch.arange(S, device=dev)[:, None].float() * dec.model.inv_freq[None]  # (S, D/2), as rope_cos_sin
-        self.cos, self.sin = pos.cos().to(dt), pos.sin().to(dt)
+        if parent is not None:
+            self.k, self.v = parent.k[:, :N], parent.v[:, :N]  # (L, N, Hkv, S, D); each layer's is contiguous
+            for name in self.ROW_TENSORS:
+                setattr(self, name, getattr(parent, name)[:N])
+            self.counters, self.stops, self.cos, self.sin = parent.counters, parent.stops, parent.cos, parent.sin
+        else:
+            # zeros, not empty: the torch attention multiplies masked garbage by 0, and 0 * NaN is NaN
+            self.k = torch.zeros(L, N, Hkv, S, D, dtype=dt, device=dev)  # (L, N, Hkv, S, D)
+            self.v = torch.zeros(L, N, Hkv, S, D, dtype=dt, device=dev)
+            self.tok = torch.zeros(N, **i64)  # the token entering the next step
+            self.counters = torch.zeros(2, **i64)  # [cache column of that token, output step it samples]
+            self.pad = torch.zeros(N, **i64)  # left padding of each row = its first valid column
+            self.rowkey = torch.zeros(N, **i64)
+            self.done = torch.zeros(N, dtype=torch.int32, device=dev)
+            self.stopped = torch.zeros(N, dtype=torch.int32, device=dev)
+            self.lengths = torch.zeros(N, **i64)
+            self.out_tok = torch.zeros(N, S, **i64)
+            self.out_lp = torch.zeros(N, S, dtype=torch.float32, device=dev)
+            self.stops = torch.full((16,), -1, **i64)
+            pos = torch.arange(S, device=dev)[:, None].float() * dec.model.inv_freq[None]  # (S, D/2), as rope_cos_sin
+            self.cos, self.sin = pos.cos().to(dt), pos.sin().to(dt)
         # attention split: about 2 programs per SM, chunks a multiple of 64 columns (against 4 an SM, 513
         # columns present, us a layer: 25.0-25.4 against 29.3-29.5 at 64 rows, 7.8-8.5 against 8.5 at 8,
         # within 0.4 at 1 and 16; 2 stages, 8 warps and 128-column blocks did not pay: session 13,
@@ -1117,11 +1141,17 @@ class Decoder:
         self.sample(m.lm_head(h), st, sp)
         st.counters.add_(1)
 
-    def capture(self, st, sp, key):
-        """Record one step as a CUDA graph (after two eager warm-up steps that compile the kernels)."""
+    def capture(self, st, sp, key, mid_call=False):
+        """Record one step as a CUDA graph (after two eager warm-up steps that compile the kernels). The
+        warm-up steps run on rows marked finished (no attention reads) and write their K/V and outputs
+        where later steps overwrite them: before a call at cache column 0 and output step 0, mid-call (a
+        smaller state's first step, Decoder.shrink) at the current column and step. The counters and the
+        row state they change are put back."""
         t0 = time.perf_counter()
-        st.counters.zero_()
-        st.done.fill_(1)  # warm-up steps on finished rows: no attention reads, outputs overwritten later
+        kept = [t.clone() for t in (st.tok, st.done, st.stopped, st.lengths, st.counters)]
+        if not mid_call:
+            st.counters.zero_()
+        st.done.fill_(1)
         st.host_col = None
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -1130,17 +1160,32 @@ class Decoder:
                 self.step(st, sp)
         torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.graph_pool()):
+        with self.recording(g):
             self.step(st, sp)
+        for t, v in zip((st.tok, st.done, st.stopped, st.lengths, st.counters), kept):
+            t.copy_(v)
         torch.cuda.synchronize()
         st.graphs[key] = g
         return time.perf_counter() - t0
 
-    def graph_pool(self):
-        """The memory pool every graph of this decoder allocates from (they never run at the same time)."""
+    @contextmanager
+    def recording(self, graph):
+        """Capture into `graph`, from the memory pool that every graph of this decoder allocates from (they
+        never run at the same time). The decoder holds the pool (a MemPool), so that it outlives its graphs:
+        were the last one dropped (a new stop list, an evicted state), a capture into the same pool would
+        trip the allocator. Python's garbage collector is off meanwhile: a decoder left behind by an earlier
+        model (a cycle with its model) collected mid-capture would destroy its graphs, which CUDA forbids
+        while a stream captures."""
         if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        return self.pool
+            self.pool = torch.cuda.MemPool() if hasattr(torch.cuda, "MemPool") else torch.cuda.graph_pool_handle()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=getattr(self.pool, "id", self.pool)):
+                yield
+        finally:
+            if collecting:
+                gc.enable()
 
     def state(self, N, S):
         key = (N, S)
@@ -1202,7 +1247,7 @@ class Decoder:
         logits). Its memory comes from the decode graphs' pool, where it reuses what they free."""
         inputs = tokens.clone(), pad.clone()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.graph_pool()):
+        with self.recording(graph):
             logits = self.prompt_logits(st, *inputs, 0, n)
         return (graph, *inputs, logits)
 
@@ -1228,7 +1273,7 @@ class Decoder:
         return m.norm(last(x) + last(delta))
 
     @torch.no_grad()
-    def run(self, prompts, n, max_new_tokens, sp, seed, stream=None, check_every=16):
+    def run(self, prompts, n, max_new_tokens, sp, seed, stream=None, check_every=16, compact=True):
         P, dev = len(prompts), self.device
         N = P * n
         Lp = max(len(p) for p in prompts)
@@ -1242,6 +1287,7 @@ class Decoder:
         if st.stops.numel() != nstop:
             st.stops = torch.full((nstop,), -1, dtype=torch.int64, device=dev)
             st.graphs.clear()
+            st.subs.clear()  # (they read the stop list they were made with)
         st.n = n if SHARE_PROMPTS else 1  # rows that share their prompt (the attention launches depend on it)
         st.shared.fill_(Lp if st.n > 1 else 0)
         key = (sp.temperature, sp.top_p, sp.top_k, sp.pad_id, st.n)
@@ -1275,6 +1321,7 @@ class Decoder:
         steps = 1
         if stream is not None:
             stream(0, st.out_tok[:, 0].cpu())
+        root, order, shrinks = st, torch.arange(N), []  # order: the call's row that each of root's rows holds
         for t in range(1, max_new_tokens):
             if graph is not None:
                 graph.replay()
@@ -1286,17 +1333,54 @@ class Decoder:
             if stream is not None:
                 stream(t, st.out_tok[:, t].cpu())
             if sp.stop_ids and (stream is not None or graph is None or t % check_every == 0):
-                if bool(st.done.bool().all()):
+                done = st.done.bool().cpu()
+                if bool(done.all()):
                     break
+                if compact and stream is None and max_new_tokens - 1 - t >= check_every:
+                    smaller, capture_s = self.shrink(root, st, order, done, Lp + t, sp, key)
+                    if smaller is not st:
+                        st = smaller
+                        graph = st.graphs.get((*key[:-1], st.n)) if self.graphs else None
+                        shrinks.append((t, st.N))
+                        stats["capture_s"] += capture_s
         sync()
         t2 = time.perf_counter()
-        lengths = st.lengths.clone()
+        back = torch.argsort(order).to(dev) if shrinks else slice(None)  # the call's row r is root's row back[r]
+        lengths = root.lengths[back].clone()
         T = max(1, int(lengths.max()))
-        stopped = st.stopped.tolist()
-        stats.update(prefill_s=t1 - t0, decode_s=t2 - t1, steps=steps)
-        return Rollout(tokens=st.out_tok[:, :T].clone(), logprobs=st.out_lp[:, :T].clone(), lengths=lengths,
+        stopped = root.stopped[back].tolist()
+        stats.update(prefill_s=t1 - t0, decode_s=t2 - t1, steps=steps, shrinks=shrinks)
+        return Rollout(tokens=root.out_tok[back, :T].clone(), logprobs=root.out_lp[back, :T].clone(), lengths=lengths,
                        finish=["stop" if s else "length" for s in stopped],
                        prompt_index=torch.arange(P, device=dev).repeat_interleave(n), stats=stats)
+
+    def shrink(self, root, st, order, done, column, sp, key):
+        """Finished rows stop costing GEMM rows: if st's live rows (done: st's flags, on the host) fit in at
+        most half of its rows, rounded up to a power of two, move them to the front of root's rows (their
+        K/V up to `column`, the next step's) and return the smaller state of root over them (_State with a
+        parent; its step's graph captured the first time) and the seconds that capture took; otherwise st
+        and 0. A row keeps its row key, so it samples the same noise in any state. order (root's rows:
+        which row of the call each holds) moves along."""
+        live = (~done).nonzero()[:, 0]
+        N2 = _pow2(live.numel())
+        if N2 > st.N // 2:
+            return st, 0.0
+        keep = torch.cat([live, done.nonzero()[:, 0]])  # st's rows, the live ones first, then the finished
+        on_dev = keep.to(self.device)
+        for name in _State.ROW_TENSORS:  # the finished rows' outputs are kept, behind the live rows
+            t = getattr(st, name)
+            t.copy_(t[on_dev])
+        rows = on_dev[: live.numel()]
+        for cache in (root.k, root.v):
+            for layer in range(cache.shape[0]):  # (a layer at a time: the gather's copy stays small)
+                cache[layer, : rows.numel(), :, :column] = cache[layer, rows, :, :column]
+        order[: st.N] = order[: st.N][keep]
+        sub = root.subs.get(N2)
+        if sub is None:
+            sub = root.subs[N2] = _State(self, N2, root.S, parent=root)
+        key = (*key[:-1], sub.n)
+        capture_s = self.capture(sub, sp, key, mid_call=True) if self.graphs and key not in sub.graphs else 0.0
+        return sub, capture_s
 
 
 def _fingerprint(model):
@@ -1325,7 +1409,7 @@ def release(model):
 
 
 def generate(model, prompts, *, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0, top_k=0, stop_ids=(),
-             seed=None, pad_id=0, kernels="auto", graphs="auto", stream=None):
+             seed=None, pad_id=0, kernels="auto", graphs="auto", stream=None, compact=True):
     """Sample n completions of each prompt (lists of token ids) → Rollout (see its docstring).
 
     temperature 0 is greedy; top_p / top_k truncate the sampling set (the logprobs stay those of the
@@ -1333,7 +1417,8 @@ def generate(model, prompts, *, n=1, max_new_tokens=256, temperature=1.0, top_p=
     makes the call reproducible (None: drawn from torch's global RNG). kernels: "triton" (default on
     CUDA) or "torch" (default elsewhere); graphs: CUDA graphs for the decode step and short prefills
     (PREFILL_GRAPH_TOKENS; default on CUDA, True only there).
-    stream(step, tokens (N,)) is called after every step (it forces a sync per step)."""
+    stream(step, tokens (N,)) is called after every step (it forces a sync per step). compact: as rows
+    finish, the live ones move into a state of half the rows or fewer (Decoder.shrink; not with stream)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, and every prompt at least one token")
     if n < 1 or max_new_tokens < 1:
@@ -1347,7 +1432,8 @@ def generate(model, prompts, *, n=1, max_new_tokens=256, temperature=1.0, top_p=
     was_training = model.training
     model.eval()
     try:
-        return _decoder(model, kernels, graphs).run([list(p) for p in prompts], n, max_new_tokens, sp, int(seed), stream)
+        return _decoder(model, kernels, graphs).run([list(p) for p in prompts], n, max_new_tokens, sp, int(seed), stream,
+                                                    compact=compact)
     finally:
         model.train(was_training)
 
@@ -1378,6 +1464,33 @@ def _bench_one(model, batch, prompt_len, new_tokens, seed, **kw):
                 ms_step=1e3 * s["decode_s"] / max(1, s["steps"] - 1), prefill_ms=1e3 * s["prefill_s"],
                 prefill=s["prefill"], first_prefill_ms=1e3 * warm.stats["prefill_s"], capture_s=warm.stats["capture_s"],
                 graphs=s["graphs"], kernels=s["kernels"])
+
+
+def _bench_early_stop(model, batch, prompt_len, new_tokens, mean_len, seed, rounds=3, **kw):
+    """Rows that stop early: with random weights a token is about as likely as any other, so a stop list of
+    V / mean_len random ids ends a row after ~mean_len tokens on average (geometrically: a long tail, as
+    real completions have). The same `rounds` rollouts (seeds) with and without moving the live rows into
+    smaller states (generate's compact), each timed after a first call with its seed, which compiles and
+    captures what that rollout needs. How long a rollout runs is set by its longest row, which differs
+    between the two ways (their GEMMs of fewer rows round differently, and a near-tie flips): the rounds
+    average some of that out. Returns {compact: totals over the rounds}."""
+    V = model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, V, (batch, prompt_len), generator=gen).tolist()
+    stops = torch.randperm(V, generator=gen)[: max(1, round(V / mean_len))].tolist()
+    res = {}
+    for compact in (False, True):
+        def rollouts():
+            return [generate(model, prompts, max_new_tokens=new_tokens, stop_ids=stops, seed=seed + 1 + i,
+                             compact=compact, **kw) for i in range(rounds)]
+        rollouts()  # compiles and captures
+        rs = rollouts()
+        secs = sum(r.stats["prefill_s"] + r.stats["decode_s"] for r in rs)
+        lengths = torch.cat([r.lengths.cpu() for r in rs])
+        res[compact] = dict(s=secs / rounds, tok_s=int(lengths.sum()) / secs, steps=[r.stats["steps"] for r in rs],
+                            shrinks=rs[0].stats["shrinks"], mean=float(lengths.float().mean()),
+                            longest=[int(r.lengths.max()) for r in rs], stopped=sum(r.finish.count("stop") for r in rs))
+    return res
 
 
 def _check(model):
@@ -1541,6 +1654,17 @@ def bench(args):
                     rows.append(res)
                 else:
                     notes.append("variant " + line)
+            for batch in (args.batches if args.early_stop and size == "7b" else []):
+                kw = {"kernels": args.kernels, "graphs": args.graphs}
+                r = _bench_early_stop(model, batch, args.prompt_len, args.new_tokens, args.early_stop, seed=batch, **kw)
+                off, on = r[False], r[True]
+                how = lambda x: (f"{x['s']:.2f} s a rollout ({x['tok_s']:.0f} tok/s; {x['stopped']} rows stopped, mean "
+                                 f"{x['mean']:.0f} tokens, longest {x['longest']}, steps {x['steps']})")
+                line = (f"{size:>4} {quant:>6} batch {batch:>3}, rows stopping early, {len(off['steps'])} rollouts each "
+                        f"way: {how(off)} as one batch, {how(on)} moving the live rows to fewer (the first: after "
+                        f"step, rows {on['shrinks']}): {on['tok_s'] / off['tok_s']:.2f}x the tok/s")
+                print(line, flush=True)
+                notes.append(line)
             if args.profile and (size, quant) == ("7b", "nvfp4"):
                 for b in args.profile:
                     try:
@@ -1630,6 +1754,9 @@ def main(argv=None):
     p.add_argument("--check", action="store_true", help="benchmark: first check the GPU step against eager torch and a full forward")
     p.add_argument("--profile", type=int, nargs="*", default=[], help="benchmark: kernel-time profile at these batches")
     p.add_argument("--variants", action="store_true", help="benchmark: also time eager (no graphs) and torch-op steps")
+    p.add_argument("--early-stop", type=float, default=0, metavar="MEAN",
+                   help="benchmark: also time rollouts whose rows stop after ~MEAN tokens on average (up to "
+                        "--new-tokens), as one batch and moving the live rows into smaller states")
     args = p.parse_args(argv)
     args.graphs = {"auto": "auto", "on": True, "off": False}[args.graphs]
     if args.bench:

@@ -157,6 +157,47 @@ def test_stop_tokens_and_max_length_per_row(hf_folder):
         assert (r.tokens[i, len(comp):] == 0).all()
 
 
+@pytest.mark.parametrize("kernels,n,shrinks", [("torch", 4, [8, 4, 2, 1]),
+                                               pytest.param("triton", 2, [4, 2, 1], marks=interpreted)])
+def test_finished_rows_leave_the_batch(hf_folder, kernels, n, shrinks):
+    """As rows stop, the live ones move into a state of half the rows or fewer (views of the same cache),
+    and the later steps run only those rows: the same completions, logprobs, lengths and finish reasons,
+    in the call's row order, as the rollout that keeps every row to the end; and (torch path) the same
+    again when the next call reuses the smaller states, whose cache rows the first call moved around."""
+    _, model = load(hf_folder, seed=12)
+    stops = set(range(3, 97, 9))  # ~1/9 a token: the rows end after 1 to ~20 tokens
+    prompts = prompts_of([3, 6, 2, 5], 97, seed=13)
+    kw = dict(n=n, max_new_tokens=40, temperature=1.3, stop_ids=stops, seed=5, kernels=kernels)
+    ref = rollout.generate(model, prompts, compact=False, **kw)
+    seen = []
+    hook = model.embed_tokens.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[0]))
+    runs = [rollout.generate(model, prompts, **kw) for _ in range(2 if kernels == "torch" else 1)]
+    hook.remove()
+    assert ref.stats["shrinks"] == [] and len(set(ref.lengths.tolist())) > 4
+    for got in runs:
+        assert [rows for _, rows in got.stats["shrinks"]] == shrinks
+        assert torch.equal(got.tokens, ref.tokens) and got.finish == ref.finish
+        assert torch.equal(got.lengths, ref.lengths)
+        assert torch.allclose(got.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+    steps = seen[1: runs[0].stats["steps"]]  # the first call's decode steps: seen[0] is its prefill
+    shrinks = runs[0].stats["shrinks"]
+    for (t, rows), nxt in zip(shrinks, shrinks[1:] + [(len(steps), None)]):
+        assert steps[t:nxt[0]] == [rows] * (nxt[0] - t)  # the steps after the shrink at step t ran `rows` rows
+        live = (ref.lengths > t + 1).sum().item()  # rows that had not ended by output step t
+        assert live <= rows < 2 * live
+
+
+def test_early_stop_benchmark_times_both_ways(hf_folder):
+    """rollout.py --bench --early-stop: both rollouts of the same prompts and stops, on the CPU here."""
+    _, model = load(hf_folder, seed=14)
+    r = rollout._bench_early_stop(model, batch=32, prompt_len=4, new_tokens=40, mean_len=24, seed=0, rounds=2,
+                                  kernels="torch")
+    off, on = r[False], r[True]
+    assert 0 < off["stopped"] < 64 and 1 < off["mean"] < 40 and off["longest"] == off["steps"] == [40, 40]
+    assert (on["stopped"], on["mean"], on["longest"], on["steps"]) == (off["stopped"], off["mean"], [40, 40], [40, 40])
+    assert off["shrinks"] == [] and on["shrinks"] and off["tok_s"] > 0 and on["tok_s"] > 0
+
+
 @pytest.mark.parametrize("top_p,top_k", [(0.6, 0), (1.0, 3), (0.8, 5)])
 def test_top_p_top_k_stay_inside_their_sets(hf_folder, top_p, top_k):
     _, model = load(hf_folder, seed=8)
@@ -420,3 +461,27 @@ def test_gpu_short_prefill_replays_its_graph(hf_folder, quantize):
         assert torch.equal(replayed.tokens, ref.tokens) and torch.equal(replayed.logprobs, ref.logprobs)
     err, effect = error_and_adapter_effect(model, other, 2, runs[2])
     assert err < 0.1 * effect
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("quantize", [True, False])
+def test_gpu_finished_rows_leave_the_graph(hf_folder, monkeypatch, quantize):
+    """Graphed, 40 rows (NVFP4: fp4_gemm's warp-specialized kernel) that stop at different steps: the live
+    rows move into smaller states, each with its graph, captured mid-call the first time (its warm-up steps
+    must leave the rows' state as it was). The logprobs match one full forward; a second call with the same
+    seed replays those graphs and gives the same rollout bit for bit. A third with a longer stop list drops
+    every graph (the prefill runs eagerly here, so none is left) and captures them again in the same pool."""
+    monkeypatch.setattr(rollout, "PREFILL_GRAPH_TOKENS", 0)
+    model = gpu_lora_model(hf_folder, seed=16, quantize=quantize)
+    prompts = prompts_of([13, 4, 30, 7, 19], 97, seed=18)
+    kw = dict(n=8, max_new_tokens=96, temperature=1.0, seed=6, kernels="triton", graphs=True)
+    first, again = (rollout.generate(model, prompts, stop_ids=set(range(3, 97, 20)), **kw) for _ in range(2))
+    assert first.stats["shrinks"] and again.stats["shrinks"] == first.stats["shrinks"]
+    assert again.stats["capture_s"] == 0
+    assert torch.equal(first.tokens, again.tokens) and torch.equal(first.logprobs, again.logprobs)
+    longer = rollout.generate(model, prompts, stop_ids=range(3, 97, 5), **kw)  # 19 ids: a new list size
+    assert longer.stats["capture_s"] > 0 and "stop" in longer.finish
+    for r in (first, longer):
+        err, effect = error_and_adapter_effect(model, prompts, 8, r)
+        print(f"shrinks {r.stats['shrinks']}: |decode - full forward| {err:.4f}, |without - with adapters| {effect:.4f}")
+        assert err < 0.1 * effect
