@@ -180,9 +180,9 @@ def test_finished_rows_leave_the_batch(hf_folder, kernels, n, shrinks):
         assert torch.equal(got.lengths, ref.lengths)
         assert torch.allclose(got.logprobs, ref.logprobs, atol=1e-5, rtol=0)
     steps = seen[1: runs[0].stats["steps"]]  # the first call's decode steps: seen[0] is its prefill
-    shrinks = runs[0].stats["shrinks"]
-    for (t, rows), nxt in zip(shrinks, shrinks[1:] + [(len(steps), None)]):
-        assert steps[t:nxt[0]] == [rows] * (nxt[0] - t)  # the steps after the shrink at step t ran `rows` rows
+    moves = runs[0].stats["shrinks"]  # [(step, rows)]
+    for (t, rows), (t_next, _) in zip(moves, moves[1:] + [(len(steps), None)]):
+        assert steps[t:t_next] == [rows] * (t_next - t)  # the steps after the shrink at step t ran `rows` rows
         live = (ref.lengths > t + 1).sum().item()  # rows that had not ended by output step t
         assert live <= rows < 2 * live
 
