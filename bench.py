@@ -15,8 +15,14 @@ a 32B model on one 80 GB GPU. This script measures both on Qwen2.5-shaped models
 and prints rollout tokens/s, update tokens/s, the step time split, peak GPU memory
 (torch.cuda.max_memory_allocated) and the NVFP4 / bf16 ratios. `--mem-cap-gb 80` caps the process
 with torch.cuda.set_per_process_memory_fraction to reproduce an 80 GB card on a larger one.
+`--early-stop MEAN` lets the completions stop as real ones do, after ~MEAN tokens on average (a long
+tail up to --new-tokens): then the rollout's batch shrinks as its rows finish (rollout.py) and the
+update sees fewer tokens. The two bases then decode different tokens and so different lengths (the
+mean_len column); a timed step may also capture the graph of a batch size the warm-up step did not
+reach (capture_s, included in rollout_s).
 
     python bench.py --size 7b                       # bf16 and NVFP4, 8 prompts x 8, 256 + 1024 tokens
+    python bench.py --size 7b --early-stop 256      # the same, completions of ~256 tokens on average
     python bench.py --size 32b --modes nvfp4 --mem-cap-gb 80
 """
 import argparse
@@ -39,6 +45,9 @@ def parse_args(argv=None):
     p.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
     p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens")
     p.add_argument("--new-tokens", type=int, default=1024, help="generated tokens per completion (forced)")
+    p.add_argument("--early-stop", type=float, default=0, metavar="MEAN",
+                   help="instead of forcing --new-tokens, let completions stop after ~MEAN tokens on average (a stop "
+                        "list of vocab/MEAN random ids; at most --new-tokens), as real ones do")
     p.add_argument("--steps", type=int, default=2, help="timed RL steps per mode (after one warm-up step)")
     p.add_argument("--lora-rank", type=int, default=32, help="LoRA rank on all seven projections")
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per update forward/backward")
@@ -48,6 +57,15 @@ def parse_args(argv=None):
     p.add_argument("--decode-batch1", action="store_true", help="also time batch-1 rollout tok/s")
     p.add_argument("--no-compile", action="store_true", help="update with eager blocks (as train.py --no-compile)")
     return p.parse_args(argv)
+
+
+def stop_ids(a, vocab):
+    """The rollout's stop list: none (every completion runs --new-tokens), or with --early-stop MEAN,
+    vocab/MEAN random ids, the same in every mode: random weights pick nearly uniform tokens, so a
+    completion then ends after ~MEAN tokens on average (geometrically, with a long tail)."""
+    if not a.early_stop:
+        return ()
+    return torch.randperm(vocab, generator=torch.Generator().manual_seed(1))[: max(1, round(vocab / a.early_stop))].tolist()
 
 
 def update_args(a):
@@ -78,6 +96,7 @@ def run_mode(a, mode, device, cfg):
     build_s = time.time() - t0
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, cfg.vocab_size, (a.prompt_len,), generator=gen).tolist() for _ in range(a.prompts)]
+    stops = stop_ids(a, cfg.vocab_size)
     ua = update_args(a)
     rows = []
     for step in range(a.steps + 1):  # step 0 warms up (compilation, graph capture, autotuning)
@@ -86,7 +105,7 @@ def run_mode(a, mode, device, cfg):
         model.eval()
         with torch.no_grad():
             ro = rollout.generate(model, prompts, n=a.group_size, max_new_tokens=a.new_tokens, temperature=1.0,
-                                  stop_ids=(), seed=step)
+                                  stop_ids=stops, seed=step)
         sync(device)
         t1 = time.time()
         correct = torch.randint(0, 2, (a.prompts, a.group_size), generator=gen).float()  # the reward stand-in
@@ -99,7 +118,8 @@ def run_mode(a, mode, device, cfg):
             gen_tokens = int(ro.lengths.sum())
             upd_tokens = gen_tokens + a.prompts * a.group_size * a.prompt_len
             rows.append(dict(rollout_s=t1 - t0, update_s=t2 - t1, step_s=t2 - t0, rollout_tok_s=gen_tokens / (t1 - t0),
-                             update_tok_s=upd_tokens / (t2 - t1)))
+                             update_tok_s=upd_tokens / (t2 - t1), mean_len=gen_tokens / len(ro.finish),
+                             capture_s=ro.stats["capture_s"]))
     res = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     res.update(mode=mode, build_s=build_s, peak_gb=peak, grad_norm=metrics["grad_norm"],
@@ -130,7 +150,8 @@ def main(argv=None):
         torch.cuda.set_per_process_memory_fraction(min(1.0, a.mem_cap_gb * 1e9 / total))
     print(f"{torch.cuda.get_device_name(0)} ({total / 2**30:.0f} GiB{f', capped at {a.mem_cap_gb} GB' if a.mem_cap_gb else ''}); "
           f"Qwen2.5-{a.size} shape, random weights; {a.prompts} prompts x G={a.group_size}, prompt {a.prompt_len}, "
-          f"{a.new_tokens} new tokens forced, LoRA r={a.lora_rank} on q,k,v,o,gate,up,down; {a.steps} timed steps")
+          f"{f'up to {a.new_tokens} new tokens, ~{a.early_stop:g} on average' if a.early_stop else f'{a.new_tokens} new tokens forced'}, "
+          f"LoRA r={a.lora_rank} on q,k,v,o,gate,up,down; {a.steps} timed steps")
     results = {}
     for mode in a.modes.split(","):
         results[mode] = run_mode(a, mode, device, qwen25_config(a.size))
@@ -138,7 +159,7 @@ def main(argv=None):
         print(f"  {mode}: built in {r['build_s']:.0f} s, step {r['step_s']:.1f} s, peak {r['peak_gb']:.1f} GiB, "
               f"activation checkpointing {r['checkpointing']}", flush=True)
     cols = ["rollout_tok_s", "update_tok_s", "rollout_s", "update_s", "step_s", "peak_gb"] + \
-           (["batch1_tok_s"] if a.decode_batch1 else [])
+           (["mean_len", "capture_s"] if a.early_stop else []) + (["batch1_tok_s"] if a.decode_batch1 else [])
     print("\n| base | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
     for mode, r in results.items():
@@ -147,6 +168,9 @@ def main(argv=None):
         b, n = results["bf16"], results["nvfp4"]
         print(f"\nNVFP4 / bf16: step time {n['step_s'] / b['step_s']:.2f}x, rollout speed-up "
               f"{n['rollout_tok_s'] / b['rollout_tok_s']:.2f}x, update speed-up {n['update_tok_s'] / b['update_tok_s']:.2f}x")
+        if b.get("capture_s") or n.get("capture_s"):  # a one-time cost: later steps replay those graphs
+            print(f"without the timed steps' graph captures: step time {n['step_s'] - n['capture_s']:.1f} / "
+                  f"{b['step_s'] - b['capture_s']:.1f} s = {(n['step_s'] - n['capture_s']) / (b['step_s'] - b['capture_s']):.2f}x")
     return results
 
 
