@@ -56,7 +56,10 @@ def parse_args(argv=None):
     p.add_argument("--mem-cap-gb", type=float, default=None, help="cap this process's GPU memory (e.g. 80)")
     p.add_argument("--decode-batch1", action="store_true", help="also time batch-1 rollout tok/s")
     p.add_argument("--no-compile", action="store_true", help="update with eager blocks (as train.py --no-compile)")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.early_stop and a.early_stop < 1:
+        p.error(f"--early-stop is a mean completion length in tokens (>= 1), or 0 for none; got {a.early_stop:g}")
+    return a
 
 
 def stop_ids(a, vocab):

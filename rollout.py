@@ -1758,6 +1758,8 @@ def main(argv=None):
                    help="benchmark: also time rollouts whose rows stop after ~MEAN tokens on average (up to "
                         "--new-tokens), as one batch and moving the live rows into smaller states")
     args = p.parse_args(argv)
+    if args.early_stop and args.early_stop < 1:
+        p.error(f"--early-stop is a mean completion length in tokens (>= 1), or 0 for none; got {args.early_stop:g}")
     args.graphs = {"auto": "auto", "on": True, "off": False}[args.graphs]
     if args.bench:
         return bench(args)

@@ -1,5 +1,6 @@
 """bench.py's RL step on the CPU with a tiny Qwen2 shape: the same code path the GPU table uses
 (rollout with forced length, reward stand-in, train.update) runs and trains."""
+import pytest
 import torch
 
 import bench
@@ -25,5 +26,7 @@ def test_rl_step_with_completions_that_stop_early():
     a = bench.parse_args("--prompts 4 --group-size 4 --prompt-len 5 --new-tokens 40 --steps 1 --lora-rank 4 "
                          "--micro-batch 4 --early-stop 8".split())
     assert len(bench.stop_ids(a, 96)) == 12 and bench.stop_ids(bench.parse_args([]), 96) == ()
+    with pytest.raises(SystemExit):  # a mean length below one token means nothing
+        bench.parse_args(["--early-stop", "0.5"])
     r = bench.run_mode(a, "nvfp4", torch.device("cpu"), cfg)
     assert 1 < r["mean_len"] < 40 and r["grad_norm"] > 0 and r["capture_s"] == 0  # (no graphs on the CPU)

@@ -342,6 +342,11 @@ def test_chat_with_a_missing_model_says_so():
         rollout.main(["--model", "/no/such/model", "--prompt", "hi", "--device", "cpu"])
 
 
+def test_bench_rejects_a_mean_length_below_one_token():
+    with pytest.raises(SystemExit):  # argparse's error, before anything is built
+        rollout.main(["--bench", "--early-stop", "0.5"])
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
 def test_bench_without_a_gpu_says_so():
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
