@@ -170,6 +170,7 @@ import gc
 import math
 import sys
 import time
+import weakref
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -884,7 +885,9 @@ class Decoder:
     def __init__(self, model, kernels="auto", graphs="auto", max_states=2):
         if kernels not in ("auto", "triton", "torch") or graphs not in ("auto", True, False):
             raise ValueError(f"kernels must be auto|triton|torch and graphs auto|True|False, got {kernels!r}, {graphs!r}")
-        self.model, self.cfg = model, model.config
+        # The model keeps its decoder (generate); a strong reference back would make a cycle, which only
+        # Python's garbage collector frees, caches and graphs with it, at a moment of its choosing.
+        self._model, self.cfg = weakref.ref(model), model.config
         self.opts = (kernels, graphs)
         self.device, self.dtype = model.device, model.dtype
         if kernels == "triton" and triton is None:
@@ -908,6 +911,10 @@ class Decoder:
         self.states = OrderedDict()
         self.max_states = max_states
         self.pool = None
+
+    @property
+    def model(self):
+        return self._model()
 
     def x_orders(self, layer, N):
         """For N rows, per group of a layer (q|k|v, o, gate|up, down): how the op before the group's GEMM
@@ -1173,9 +1180,9 @@ class Decoder:
         """Capture into `graph`, from the memory pool that every graph of this decoder allocates from (they
         never run at the same time). The decoder holds the pool (a MemPool), so that it outlives its graphs:
         were the last one dropped (a new stop list, an evicted state), a capture into the same pool would
-        trip the allocator. Python's garbage collector is off meanwhile: a decoder left behind by an earlier
-        model (a cycle with its model) collected mid-capture would destroy its graphs, which CUDA forbids
-        while a stream captures."""
+        trip the allocator. Python's garbage collector is off meanwhile: graphs that it freed mid-capture (a
+        decoder in a reference cycle, as when it held its model) would be destroyed, which CUDA forbids while
+        a stream captures."""
         if self.pool is None:
             self.pool = torch.cuda.MemPool() if hasattr(torch.cuda, "MemPool") else torch.cuda.graph_pool_handle()
         collecting = gc.isenabled()

@@ -342,6 +342,25 @@ def test_chat_with_a_missing_model_says_so():
         rollout.main(["--model", "/no/such/model", "--prompt", "hi", "--device", "cpu"])
 
 
+def test_a_dropped_model_frees_its_decoder_at_once(hf_folder):
+    """The decoder generate() keeps on a model (its caches and graphs: GBs on a GPU) goes with the model when
+    the last reference to it does, without waiting for the garbage collector: no reference cycle."""
+    import gc
+    import weakref
+
+    _, model = load(hf_folder, quantize=True)
+    rollout.generate(model, prompts_of([3, 5], 97), n=2, max_new_tokens=4, stop_ids=(7,), seed=0)
+    gone = weakref.ref(model.__dict__["_rollout_decoder"]), weakref.ref(model)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        del model
+        assert all(ref() is None for ref in gone)
+    finally:
+        if collecting:
+            gc.enable()
+
+
 def test_bench_rejects_a_mean_length_below_one_token():
     with pytest.raises(SystemExit):  # argparse's error, before anything is built
         rollout.main(["--bench", "--early-stop", "0.5"])
