@@ -885,8 +885,8 @@ class Decoder:
     def __init__(self, model, kernels="auto", graphs="auto", max_states=2):
         if kernels not in ("auto", "triton", "torch") or graphs not in ("auto", True, False):
             raise ValueError(f"kernels must be auto|triton|torch and graphs auto|True|False, got {kernels!r}, {graphs!r}")
-        # The model keeps its decoder (generate); a strong reference back would make a cycle, which only
-        # Python's garbage collector frees, caches and graphs with it, at a moment of its choosing.
+        # The model keeps its decoder (generate); a strong reference back would make a cycle, and only the
+        # garbage collector would free the two (the caches and graphs with them), whenever it runs.
         self._model, self.cfg = weakref.ref(model), model.config
         self.opts = (kernels, graphs)
         self.device, self.dtype = model.device, model.dtype
