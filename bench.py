@@ -45,7 +45,7 @@ def parse_args(argv=None):
     p.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
     p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens")
     p.add_argument("--new-tokens", type=int, default=1024, help="generated tokens per completion (forced)")
-    p.add_argument("--early-stop", type=float, default=0, metavar="MEAN",
+    p.add_argument("--early-stop", type=rollout.mean_length, default=0, metavar="MEAN",
                    help="instead of forcing --new-tokens, let completions stop after ~MEAN tokens on average (a stop "
                         "list of vocab/MEAN random ids; at most --new-tokens), as real ones do")
     p.add_argument("--steps", type=int, default=2, help="timed RL steps per mode (after one warm-up step)")
@@ -56,19 +56,16 @@ def parse_args(argv=None):
     p.add_argument("--mem-cap-gb", type=float, default=None, help="cap this process's GPU memory (e.g. 80)")
     p.add_argument("--decode-batch1", action="store_true", help="also time batch-1 rollout tok/s")
     p.add_argument("--no-compile", action="store_true", help="update with eager blocks (as train.py --no-compile)")
-    a = p.parse_args(argv)
-    if a.early_stop and a.early_stop < 1:
-        p.error(f"--early-stop is a mean completion length in tokens (>= 1), or 0 for none; got {a.early_stop:g}")
-    return a
+    return p.parse_args(argv)
 
 
 def stop_ids(a, vocab):
-    """The rollout's stop list: none (every completion runs --new-tokens), or with --early-stop MEAN,
-    vocab/MEAN random ids, the same in every mode: random weights pick nearly uniform tokens, so a
-    completion then ends after ~MEAN tokens on average (geometrically, with a long tail)."""
+    """The rollout's stop list: none (every completion runs --new-tokens), or with --early-stop MEAN the
+    same random ids in every mode, which end a completion after ~MEAN tokens on average
+    (rollout.random_stop_ids)."""
     if not a.early_stop:
         return ()
-    return torch.randperm(vocab, generator=torch.Generator().manual_seed(1))[: max(1, round(vocab / a.early_stop))].tolist()
+    return rollout.random_stop_ids(vocab, a.early_stop, torch.Generator().manual_seed(1))
 
 
 def update_args(a):

@@ -1155,7 +1155,8 @@ class Decoder:
         smaller state's first step, Decoder.shrink) at the current column and step. The counters and the
         row state they change are put back."""
         t0 = time.perf_counter()
-        kept = [t.clone() for t in (st.tok, st.done, st.stopped, st.lengths, st.counters)]
+        changed = (st.tok, st.done, st.stopped, st.lengths, st.counters)
+        kept = [t.clone() for t in changed]
         if not mid_call:
             st.counters.zero_()
         st.done.fill_(1)
@@ -1169,7 +1170,7 @@ class Decoder:
         g = torch.cuda.CUDAGraph()
         with self.recording(g):
             self.step(st, sp)
-        for t, v in zip((st.tok, st.done, st.stopped, st.lengths, st.counters), kept):
+        for t, v in zip(changed, kept):
             t.copy_(v)
         torch.cuda.synchronize()
         st.graphs[key] = g
@@ -1459,6 +1460,21 @@ def _add_lora(model, rank, seed=0):
             m.lora_B.weight.normal_(0, 1e-3, generator=gen)
 
 
+def random_stop_ids(vocab, mean_len, gen):
+    """A stop list that ends a random-weights rollout's rows after ~mean_len tokens on average: such a model
+    picks nearly uniform tokens, so vocab / mean_len random ids (drawn with `gen`) end a row with that
+    chance a token, geometrically (a long tail, as real completions have). For the benchmarks."""
+    return torch.randperm(vocab, generator=gen)[: max(1, round(vocab / mean_len))].tolist()
+
+
+def mean_length(text):
+    """argparse type of --early-stop: a mean completion length in tokens (>= 1), or 0 for none."""
+    value = float(text)
+    if value and value < 1:
+        raise argparse.ArgumentTypeError(f"a mean completion length in tokens (>= 1), or 0 for none; got {value:g}")
+    return value
+
+
 def _bench_one(model, batch, prompt_len, new_tokens, seed, **kw):
     V = model.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
@@ -1474,9 +1490,8 @@ def _bench_one(model, batch, prompt_len, new_tokens, seed, **kw):
 
 
 def _bench_early_stop(model, batch, prompt_len, new_tokens, mean_len, seed, rounds=3, **kw):
-    """Rows that stop early: with random weights a token is about as likely as any other, so a stop list of
-    V / mean_len random ids ends a row after ~mean_len tokens on average (geometrically: a long tail, as
-    real completions have). The same `rounds` rollouts (seeds) with and without moving the live rows into
+    """Rows that stop after ~mean_len tokens on average (random_stop_ids). The same `rounds` rollouts (seeds)
+    with and without moving the live rows into
     smaller states (generate's compact), each timed after a first call with its seed, which compiles and
     captures what that rollout needs. How long a rollout runs is set by its longest row, which differs
     between the two ways (their GEMMs of fewer rows round differently, and a near-tie flips): the rounds
@@ -1484,7 +1499,7 @@ def _bench_early_stop(model, batch, prompt_len, new_tokens, mean_len, seed, roun
     V = model.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
     prompts = torch.randint(0, V, (batch, prompt_len), generator=gen).tolist()
-    stops = torch.randperm(V, generator=gen)[: max(1, round(V / mean_len))].tolist()
+    stops = random_stop_ids(V, mean_len, gen)
     res = {}
     for compact in (False, True):
         def rollouts():
@@ -1761,12 +1776,10 @@ def main(argv=None):
     p.add_argument("--check", action="store_true", help="benchmark: first check the GPU step against eager torch and a full forward")
     p.add_argument("--profile", type=int, nargs="*", default=[], help="benchmark: kernel-time profile at these batches")
     p.add_argument("--variants", action="store_true", help="benchmark: also time eager (no graphs) and torch-op steps")
-    p.add_argument("--early-stop", type=float, default=0, metavar="MEAN",
+    p.add_argument("--early-stop", type=mean_length, default=0, metavar="MEAN",
                    help="benchmark: also time rollouts whose rows stop after ~MEAN tokens on average (up to "
                         "--new-tokens), as one batch and moving the live rows into smaller states")
     args = p.parse_args(argv)
-    if args.early_stop and args.early_stop < 1:
-        p.error(f"--early-stop is a mean completion length in tokens (>= 1), or 0 for none; got {args.early_stop:g}")
     args.graphs = {"auto": "auto", "on": True, "off": False}[args.graphs]
     if args.bench:
         return bench(args)
