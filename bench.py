@@ -50,7 +50,8 @@ def parse_args(argv=None):
                         "list of vocab/MEAN random ids; at most --new-tokens), as real ones do")
     p.add_argument("--steps", type=int, default=2, help="timed RL steps per mode (after one warm-up step)")
     p.add_argument("--lora-rank", type=int, default=32, help="LoRA rank on all seven projections")
-    p.add_argument("--micro-batch", type=int, default=8, help="sequences per update forward/backward")
+    p.add_argument("--micro-batch", type=int, default=8, help="sequences per update forward/backward at full length "
+                   "(train.py's: more where completions stop early)")
     p.add_argument("--checkpointing", default="auto", choices=["auto", "on", "off"],
                    help="activation checkpointing in the update, as train.py's (auto: off where a micro-batch fits)")
     p.add_argument("--mem-cap-gb", type=float, default=None, help="cap this process's GPU memory (e.g. 80)")

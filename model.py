@@ -286,6 +286,12 @@ class Transformer(nn.Module):
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)  # (B, 1, T, D)
         training = self.training and torch.is_grad_enabled()
         compiled = _compiled_block(self.compile_blocks) if training and self.compile_blocks else None
+        if compiled:  # each micro-batch brings its own token and sequence counts: compile shape-generic at once;
+            # else torch compiles for static shapes first, then again as each count first changes (H200, 1.5B
+            # shape: two more compiles, 24 s; results/bench_h200.md, session 25)
+            dims = [(x, 0), (x, 1), (cos, 0), (cos, 2), (sin, 0), (sin, 2)]
+            for t, d in dims + ([(shared[0], 0), (shared[0], 1), (shared[1], 0)] if shared else []):
+                torch._dynamo.maybe_mark_dynamic(t, d)
         for layer in self.layers:
             run = functools.partial(compiled, layer) if compiled else layer
             if self.gradient_checkpointing and training:

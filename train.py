@@ -15,10 +15,14 @@ One step (QeRL, arXiv 2510.11696, Sec. 3; the algorithms in grpo.py and dapo.py)
 On a GPU the update runs each decoder block through torch.compile (model.compile_blocks; off with
 --no-compile), which fuses the elementwise work between the GEMMs: a 7B micro-batch of 8 x 1280
 tokens took 907 instead of 1086 ms on the H200 (results/bench_h200.md). The first update compiles
-(16 s at 7B on the H200), and torch compiles once more, shape-generic, when the sequence length
-first changes; the rollout never runs compiled blocks. The update recomputes each block's activations
-in backward (activation checkpointing) only where the largest micro-batch's would not fit in the GPU's
-free memory (checkpointing_on): on the H200 that took a fifth off a 7B or 14B RL step. Running each
+(16-45 s at 7B on the H200), once for every micro-batch shape, as Transformer.hidden marks the token
+and sequence counts dynamic (a 1.5B shape measured one compile where torch's default made three); the
+rollout never runs compiled blocks. A micro-batch holds --micro-batch sequences where completions run to
+the limit, and more in the same memory where they stop early (micro_batches): a 7B update of 64
+completions of ~200 tokens took 1.37 instead of 1.95 s on NVFP4, 1.30 instead of 1.38 on bf16 (session 25).
+The update recomputes each block's activations in backward (activation checkpointing) only where the
+largest micro-batch's would not fit in the GPU's free memory (checkpointing_on): on the H200 that took a
+fifth off a 7B or 14B RL step. Running each
 prompt once for its samples, and no padding (model.shared_prompt_hidden), took the 7B update on the
 H200 from 5.1 to 4.4 s (timed in a first form of it, results/bench_h200.md) and the default tiny run's
 from 2.0 to 1.1 s a step.
@@ -92,7 +96,8 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=1.0, help="rollout temperature (QeRL: 1.0)")
     p.add_argument("--top-p", type=float, default=1.0, help="rollout nucleus sampling")
     p.add_argument("--update-passes", type=int, default=1, help="passes over each step's batch (1 = on-policy)")
-    p.add_argument("--micro-batch", type=int, default=None, help="sequences per forward/backward (tiny: 128; 7B: 8)")
+    p.add_argument("--micro-batch", type=int, default=None, help="sequences per forward/backward, at full length "
+                   "(tiny: 128; 7B: 8); completions that stop early pack more into the same memory")
     p.add_argument("--logp-chunk", type=int, default=1024, help="completion tokens per lm_head chunk when computing logprobs")
     p.add_argument("--checkpointing", default="auto", choices=["auto", "on", "off"],
                    help="activation checkpointing in the update (auto: off on a GPU where a micro-batch fits without)")
@@ -395,9 +400,8 @@ def update(args, model, optimizer, params, groups, rewards, encode, sigma, noise
         mask = dapo.apply_overlong_filter(mask, truncated)
     mask = mask.to(device)
     num_seqs, num_tokens = grpo.batch_counts(mask)
-    mb = args.micro_batch
-    need = max(micro_batch_bytes(model.config, model.dtype, prompts[s:s + mb], lens[s:s + mb])
-               for s in range(0, len(prompts), mb))  # the largest micro-batch's activations
+    slices = micro_batches(model.config, model.dtype, prompts, lens, args.micro_batch, args.max_new_tokens)
+    need = max(micro_batch_bytes(model.config, model.dtype, prompts[sl], lens[sl]) for sl in slices)
     model.gradient_checkpointing = checkpointing_on(args, model, need)
     model.train()
     out = {}
@@ -405,8 +409,7 @@ def update(args, model, optimizer, params, groups, rewards, encode, sigma, noise
         optimizer.zero_grad(set_to_none=True)
         sums = {}
         with aqn.noise(model, sigma if args.aqn_update else 0.0, torch.Generator(gen_device).manual_seed(noise_seed)):
-            for s in range(0, len(prompts), args.micro_batch):
-                sl = slice(s, s + args.micro_batch)
+            for sl in slices:
                 logp, ent = completion_logprobs(model, prompts[sl], completions[sl], lens[sl], args.temperature, args.logp_chunk)
                 ref = None
                 if args.beta > 0:  # the reference policy is the base model: the same weights, adapters off
@@ -454,6 +457,27 @@ def micro_batch_bytes(cfg, dtype, prompts, lengths):
     seqs = [len(p) + int(n) for p, n in zip(prompts, lengths)]
     packed = sum(seqs) - sum(shared_prompts(prompts))
     return activation_bytes(cfg, packed, dtype, attended=len(seqs) * max(seqs) - packed)
+
+
+def micro_batches(cfg, dtype, prompts, lengths, size, max_new_tokens):
+    """The update's micro-batches: consecutive slices of the batch. `size` sequences a slice where every
+    completion runs to max_new_tokens (--micro-batch means what it says there); where they stop early, as
+    real ones do, a slice takes the next sequence while its activations (micro_batch_bytes) stay within
+    the largest that a slice of `size` sequences of these prompts needs at that limit, so more sequences
+    share each forward and backward in no more memory. That pays where a micro-batch is short work for the
+    GPU: a 7B update of 64 completions of ~200 tokens, in 3-4 micro-batches instead of 8, took 1.37 instead
+    of 1.95 s on NVFP4 and 1.30 instead of 1.38 on bf16; in 8, its kernels added up to 1.0-1.08 s, the rest
+    gaps between them (H200, results/bench_h200.md, session 25)."""
+    at_limit = lambda start: micro_batch_bytes(cfg, dtype, prompts[start:start + size], [max_new_tokens] * size)
+    budget = max(map(at_limit, range(0, len(prompts), size)))
+    slices, start = [], 0
+    while start < len(prompts):
+        end = start + 1
+        while end < len(prompts) and micro_batch_bytes(cfg, dtype, prompts[start:end + 1], lengths[start:end + 1]) <= budget:
+            end += 1
+        slices.append(slice(start, end))
+        start = end
+    return slices
 
 
 def checkpointing_on(args, model, need):

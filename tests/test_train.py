@@ -217,6 +217,63 @@ def test_checkpointing_auto_turns_it_off_only_where_the_activations_fit(monkeypa
     assert train.checkpointing_on(train.parse_args([]), cpu, need) is True
 
 
+def test_micro_batches_hold_whole_sequences_and_pack_short_ones():
+    """--micro-batch 8: completions at the length limit go 8 to a micro-batch, whether or not prompts are
+    shared; shorter ones share micro-batches of no more memory (micro_batch_bytes within that of the
+    8-sequence slices at the limit), each slice taking the next sequence until it would not fit."""
+    cfg, bf16 = M.qwen25_config("7b"), torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    groups = [torch.randint(0, 1000, (256,), generator=gen).tolist() for _ in range(8)]
+    shared, distinct = [p for p in groups for _ in range(8)], [p + [i] for i in range(8) for p in groups]
+    lengths = torch.randint(1, 400, (64,), generator=gen)
+    lengths[[5, 40]] = 1024  # the long tail
+    for prompts in (shared, distinct):
+        full = [1024] * 64
+        assert train.micro_batches(cfg, bf16, prompts, full, 8, 1024) == [slice(s, s + 8) for s in range(0, 64, 8)]
+        budget = train.micro_batch_bytes(cfg, bf16, prompts[:8], full[:8])
+        slices = train.micro_batches(cfg, bf16, prompts, lengths, 8, 1024)
+        assert [sl.start for sl in slices] == [0] + [sl.stop for sl in slices[:-1]] and slices[-1].stop == 64
+        assert len(slices) < 6
+        for sl in slices:
+            assert train.micro_batch_bytes(cfg, bf16, prompts[sl], lengths[sl]) <= budget
+            if sl.stop < 64:  # the next sequence would not have fit
+                assert train.micro_batch_bytes(cfg, bf16, prompts[sl.start:sl.stop + 1], lengths[sl.start:sl.stop + 1]) > budget
+    assert train.micro_batches(cfg, bf16, shared[:3], torch.tensor([1024, 1, 1]), 1, 1024) == [slice(0, 1), slice(1, 3)]
+
+
+def test_the_update_in_micro_batches_gives_the_full_batch_gradient(hf_folder, monkeypatch):
+    """train.update over one micro-batch and over several (--micro-batch 1, which packs short completions
+    into micro-batches of one whole sequence's memory): the same LoRA gradients, and every sequence in
+    exactly one micro-batch."""
+    _, folder = hf_folder("qwen2", num_hidden_layers=2)
+    m = M.Transformer.from_pretrained(folder, dtype=torch.float32)
+    params = lora.apply_lora(m, rank=4, alpha=8)
+    for p in params:
+        p.data.normal_(0, 0.1, generator=torch.Generator().manual_seed(p.numel()))
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 101, (n,), generator=gen).tolist() for n in (5, 9)]
+    lengths = torch.tensor([1, 3, 2, 8, 4, 1, 2, 5])  # two groups of 4 samples; 8 = max_new_tokens
+    ro = type("Rollout", (), dict(tokens=torch.randint(0, 101, (8, 8), generator=gen), lengths=lengths,
+                                  logprobs=-torch.rand(8, 8, generator=gen), finish=["stop"] * 7 + ["length"]))
+    groups = [dict(item=i, rollout=ro, rows=list(range(4 * i, 4 * i + 4))) for i in range(2)]
+    rewards = torch.tensor([[1.0, 0, 0, 1], [0, 1, 1, 1]])
+    optimizer = torch.optim.SGD(params, lr=0.0)
+    sizes, run = [], train.completion_logprobs
+    monkeypatch.setattr(train, "completion_logprobs", lambda model, p, *a: sizes.append(len(p)) or run(model, p, *a))
+    grads = []
+    for mb in (8, 1):
+        sizes.clear()
+        args = train.recipe(train.parse_args(["--algo", "dapo", "--micro-batch", str(mb), "--max-new-tokens", "8"]))
+        train.update(args, m, optimizer, params, groups, rewards, lambda i: prompts[i], 0.0, 0, "cpu")
+        grads.append([p.grad.clone() for p in params])
+        assert sum(sizes) == 8 and len(sizes) == (1 if mb == 8 else len(train.micro_batches(
+            m.config, m.dtype, [prompts[0]] * 4 + [prompts[1]] * 4, lengths, 1, 8)))
+    assert 1 < len(sizes) < 8  # several micro-batches, some of several sequences
+    assert any(g.abs().max() > 0 for g in grads[0])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
 def test_completion_logprobs_match_a_forward_of_each_whole_sequence(hf_folder):
     """completion_logprobs (each prompt run once for its samples, lm_head in chunks) against a plain forward
     of every prompt + completion: the same logprobs and entropies at temperature 0.7, zeros past each
