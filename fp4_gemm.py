@@ -91,6 +91,11 @@ Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
   gate/up there from 75 to 67 us), 1.09x / 1.18x and 0.69x / 0.75x. At 1-32 rows it ties or loses,
   also with 8-row tiles and 4-6 stages (the plain kernel's own prefetch keeps up; at one row the mma
   kernel takes 7-26% less time, at 4-8 rows the plain kernel 1-8%).
+  Above 256 rows, on gate/up-like layers (N >= 16384) up to 2048 rows, its persistent form (PERSIST: one
+  program an SM walking tiles in groups of 16 tiles of x, one ring for all, so the next tile loads while
+  the last one is stored) runs instead of dequant + cuBLAS: 0.76-0.90x cuBLAS at 512-2048 rows on the 7B,
+  14B and 32B gate/up, where dequant + cuBLAS took 0.64-0.87x; on other layers and from 3072 rows it
+  loses (session 26).
   A caller whose own kernel produces x can store it in the K order itself and skip that launch
   (x_k_order, k_ordered_tile, fp4_linear_k_ordered: rollout's decode step from 33 rows).
   Gluon has no interpreter: on CPU the tests run its PTX on the emulator and check the K order
@@ -100,11 +105,11 @@ Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
   read from HBM once, split-K (up to 8) where the tiles are few. On the H200 0.9-1.2x cuBLAS for q/k/v
   and o at M = 16, 0.7x at M = 64: the decode and the layout shuffle Triton adds before the MMA cost
   more issue slots than the bytes saved.
-- dequant + cuBLAS (M > 256 on Hopper, M > 128 elsewhere; fp32 inputs): a Triton kernel writes
-  this one layer's weight in x's dtype, bit-identical to nvfp4.dequantize (same float32 arithmetic),
-  and cuBLAS multiplies; the copy dies right after. 0.73-0.81x cuBLAS at M = 1024, 0.75-0.95x at M =
-  4096 (the spread of four runs): the cost is writing and re-reading the bf16 weight (~100 us for
-  gate/up).
+- dequant + cuBLAS (M > 256 on Hopper, but for the wide layers' 257-2048 rows; M > 128 elsewhere; fp32
+  inputs): a Triton kernel writes this one layer's weight in x's dtype, bit-identical to
+  nvfp4.dequantize (same float32 arithmetic), and cuBLAS multiplies; the copy dies right after.
+  0.73-0.81x cuBLAS at M = 1024, 0.75-0.95x at M = 4096 (the spread of four runs): the cost is
+  writing the bf16 weight (gate/up's dequantization takes 100 us; cuBLAS then runs as on a bf16 weight).
 - A side product riding along (rollout's LoRA A's, `fp4_linear_side`): extra programs of the mma launch
   compute x @ A^T for a small bf16 A, split over K with the same ticketed sum, so decode pays one launch
   a projection instead of two (`small_linear` is the same product as a launch of its own, which serves
@@ -1233,6 +1238,9 @@ if HAS_GLUON:
 # stores its own result (_wgmma_epilogue). TMA needs k-steps of 256 (a row's scales: 16 bytes).
 # Measured on the H200 (results/fp4_gemm_h200.md, session 12): faster from 33 rows of x on, with a ring
 # of 2 stages, which plan_forward uses there; at 1-32 rows no faster than the plain kernel or mma.
+# PERSIST: one program an SM walks many tiles (_ws_tile's order) with one ring, so that the loads of a
+# tile's first k-steps overlap the consumers' stores of the tile before: gate/up at 1024 rows 435 ->
+# 402 us (session 26), where a program's 14 k-steps are short next to its fill and its stores.
 if HAS_GLUON:
     @gluon.constexpr_function
     def _lane_local_2d(inner):
@@ -1244,62 +1252,95 @@ if HAS_GLUON:
                                           block_bases=[], shape=[64, 4 * inner])
 
     @gluon.jit
-    def _ws_producer(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, row0, tok0, s_lo, n,
-                     BT: gl.constexpr, STAGES: gl.constexpr, NWG: gl.constexpr):
-        """One warp: k-steps s_lo .. s_lo + n of codes and scales (NWG tiles of 64 rows from row0) and x
-        (tokens tok0 ..) into the ring, each stage once its consumers have released it."""
-        Q: gl.constexpr = 4  # 64-k slices of a k-step of 256
-        nbytes: gl.constexpr = NWG * (w_desc.block_type.nbytes + s_desc.block_type.nbytes) + Q * x_desc.block_type.nbytes
-        for i in range(n):
-            st = i % STAGES
-            mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)  # (passes at once on a fresh barrier)
-            bar = ready.index(st)
-            mbarrier.expect(bar, nbytes)
-            k = s_lo + i
-            for g in gl.static_range(NWG):
-                tma.async_copy_global_to_shared(w_desc, [row0 + 64 * g, k * 32], bar, w_bufs.index(st * NWG + g))
-                tma.async_copy_global_to_shared(s_desc, [row0 + 64 * g, k * 16], bar, s_bufs.index(st * NWG + g))
-            for q in gl.static_range(Q):
-                tma.async_copy_global_to_shared(x_desc, [tok0, k * 256 + 64 * q], bar,
-                                                x_bufs.index(st).slice(q * BT, BT))
+    def _ws_tile(t, pid_m, tile_n, m_tiles, tiles_n, group_m, PERSIST: gl.constexpr):
+        """The tile of x and the weight tile of a program's t-th tile: (pid_m, tile_n) as given, or with
+        PERSIST tile t in grouped order: tiles of x in groups of group_m, each group against every weight
+        tile, the group's tiles of x side by side."""
+        tm, tn = pid_m, tile_n
+        if PERSIST:
+            per_group = group_m * tiles_n
+            first = (t // per_group) * group_m
+            rows = gl.minimum(m_tiles - first, group_m)
+            r = t % per_group
+            tm, tn = first + r % rows, r // rows
+        return tm, tn
 
     @gluon.jit
-    def _ws_consumer(w_bufs, s_bufs, x_bufs, ready, empty, n, wg, tile_n, pid_m, pid_k, tiles_n, whole, gs_ptr,
-                     bias_ptr, y_ptr, part_ptr, lock_ptr, M, N, stride_ym, BT: gl.constexpr, STAGES: gl.constexpr,
-                     NWG: gl.constexpr, SPLIT_K: gl.constexpr, WHOLE: gl.constexpr, GS_PER_ROW: gl.constexpr,
-                     HAS_BIAS: gl.constexpr, F16: gl.constexpr):
+    def _ws_producer(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, tile_n, pid_m, s_lo, n, t_lo, t_hi,
+                     t_step, m_tiles, tiles_n, group_m, BT: gl.constexpr, STAGES: gl.constexpr, NWG: gl.constexpr,
+                     PERSIST: gl.constexpr):
+        """One warp: for each of the program's tiles (one, or with PERSIST t_lo, t_lo + t_step, .. < t_hi),
+        k-steps s_lo .. s_lo + n of codes and scales (NWG tiles of 64 weight rows) and x (BT tokens) into
+        the ring, each stage once its consumers have released it. The ring runs on across tiles, so the
+        next tile's first k-steps load while the consumers store the last one."""
+        Q: gl.constexpr = 4  # 64-k slices of a k-step of 256
+        nbytes: gl.constexpr = NWG * (w_desc.block_type.nbytes + s_desc.block_type.nbytes) + Q * x_desc.block_type.nbytes
+        i = 0  # k-steps loaded so far
+        for t in range(t_lo, t_hi, t_step):
+            tm, tn = _ws_tile(t, pid_m, tile_n, m_tiles, tiles_n, group_m, PERSIST)
+            row0 = tn * 64 * NWG
+            tok0 = tm * BT
+            for k in range(s_lo, s_lo + n):
+                st = i % STAGES
+                mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)  # (passes at once on a fresh barrier)
+                bar = ready.index(st)
+                mbarrier.expect(bar, nbytes)
+                for g in gl.static_range(NWG):
+                    tma.async_copy_global_to_shared(w_desc, [row0 + 64 * g, k * 32], bar, w_bufs.index(st * NWG + g))
+                    tma.async_copy_global_to_shared(s_desc, [row0 + 64 * g, k * 16], bar, s_bufs.index(st * NWG + g))
+                for q in gl.static_range(Q):
+                    tma.async_copy_global_to_shared(x_desc, [tok0, k * 256 + 64 * q], bar,
+                                                    x_bufs.index(st).slice(q * BT, BT))
+                i += 1
+
+    @gluon.jit
+    def _ws_consumer(w_bufs, s_bufs, x_bufs, ready, empty, n, wg, tile_n, pid_m, pid_k, tiles_n, whole, t_lo, t_hi,
+                     t_step, m_tiles, group_m, gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M, N, stride_ym,
+                     BT: gl.constexpr, STAGES: gl.constexpr, NWG: gl.constexpr, SPLIT_K: gl.constexpr,
+                     WHOLE: gl.constexpr, PERSIST: gl.constexpr, GS_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr,
+                     F16: gl.constexpr):
         """One warpgroup: weight rows of 64-row tile wg of the program's tile_n (NWG of them) x BT tokens
-        over the n k-steps."""
+        over the n k-steps, for each of the program's tiles (as the producer's)."""
         mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_l, k_width=2)
-        acc = gl.zeros((64, BT), gl.float32, layout=mma_l)
-        for i in range(n):
-            st = i % STAGES
-            mbarrier.wait(ready.index(st), (i // STAGES) & 1)
-            words = w_bufs.index(st * NWG + wg).load(_lane_local_2d(8)).to(gl.uint32, bitcast=True)
-            words = gl.convert_layout(gl.reshape(words, (64, 4, 8)), _lane_local(8, 1), assert_trivial=True)
-            sb = s_bufs.index(st * NWG + wg).load(_lane_local_2d(4))
-            sb = gl.convert_layout(gl.reshape(sb, (64, 4, 4)), _lane_local(4, 1), assert_trivial=True)
-            a = _wgmma_decode(_slice_of(words, 0, 4), _slice_of(sb, 0, 4), a_l, F16)
-            acc = _wgmma_step(acc, a, words, sb, x_bufs.index(st), a_l, BT, F16)
-            fence_async_shared()  # this warpgroup's reads are ordered before the producer's next TMA writes
-            mbarrier.arrive(empty.index(st), count=1)
-        _wgmma_epilogue(acc, tile_n * NWG + wg, pid_m, pid_k, tiles_n * NWG, whole * NWG, gs_ptr, bias_ptr, y_ptr,
-                        part_ptr, lock_ptr, M, N, stride_ym, BT, SPLIT_K, WHOLE, GS_PER_ROW, HAS_BIAS)
+        i = 0  # k-steps consumed so far
+        for t in range(t_lo, t_hi, t_step):
+            tm, tn = _ws_tile(t, pid_m, tile_n, m_tiles, tiles_n, group_m, PERSIST)
+            acc = gl.zeros((64, BT), gl.float32, layout=mma_l)
+            for _ in range(n):
+                st = i % STAGES
+                mbarrier.wait(ready.index(st), (i // STAGES) & 1)
+                words = w_bufs.index(st * NWG + wg).load(_lane_local_2d(8)).to(gl.uint32, bitcast=True)
+                words = gl.convert_layout(gl.reshape(words, (64, 4, 8)), _lane_local(8, 1), assert_trivial=True)
+                sb = s_bufs.index(st * NWG + wg).load(_lane_local_2d(4))
+                sb = gl.convert_layout(gl.reshape(sb, (64, 4, 4)), _lane_local(4, 1), assert_trivial=True)
+                a = _wgmma_decode(_slice_of(words, 0, 4), _slice_of(sb, 0, 4), a_l, F16)
+                acc = _wgmma_step(acc, a, words, sb, x_bufs.index(st), a_l, BT, F16)
+                fence_async_shared()  # this warpgroup's reads are ordered before the producer's next TMA writes
+                mbarrier.arrive(empty.index(st), count=1)
+                i += 1
+            _wgmma_epilogue(acc, tn * NWG + wg, tm, pid_k, tiles_n * NWG, whole * NWG, gs_ptr, bias_ptr, y_ptr,
+                            part_ptr, lock_ptr, M, N, stride_ym, BT, SPLIT_K, WHOLE, GS_PER_ROW, HAS_BIAS)
 
     @gluon.jit
     def _wgmma_ws_kernel(x_desc, w_desc, s_desc, gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M, N, n_steps,
-                         stride_ym, split_steps, tiles_n, whole, BT: gl.constexpr, STAGES: gl.constexpr,
-                         NWG: gl.constexpr, SPLIT_K: gl.constexpr, WHOLE: gl.constexpr, GS_PER_ROW: gl.constexpr,
-                         HAS_BIAS: gl.constexpr, F16: gl.constexpr, PDL: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                         stride_ym, split_steps, tiles_n, whole, m_tiles, group_m, BT: gl.constexpr,
+                         STAGES: gl.constexpr, NWG: gl.constexpr, SPLIT_K: gl.constexpr, WHOLE: gl.constexpr,
+                         PERSIST: gl.constexpr, GS_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, F16: gl.constexpr,
+                         PDL: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         """Program (m, n, s): BT rows of x (tile m, in wgmma_k_order, through x_desc) against weight tile n
         of NWG · 64 rows, k-steps of 256 s · split_steps .. (n_steps in all). With WHOLE, program (m, j):
         tile j whole for j < whole, then one split of a later tile, splits after splits: j = whole +
-        s · (tiles_n - whole) + (n - whole). x_desc, w_desc, s_desc: TMA descriptors of x (BT, 64), the
-        codes as 32-bit words (64, 32) and the scale bytes (64, 16)."""
+        s · (tiles_n - whole) + (n - whole). With PERSIST (unsplit), program p of a 1-D grid: tiles p, p +
+        grid, .. of m_tiles x tiles_n, in _ws_tile's order. x_desc, w_desc, s_desc: TMA descriptors of
+        x (BT, 64), the codes as 32-bit words (64, 32) and the scale bytes (64, 16)."""
         _wgmma_pdl_wait(PDL)
-        pid_m = gl.program_id(0)
-        if WHOLE:
+        t_lo, t_hi, t_step = 0, 1, 1  # one tile a program
+        if PERSIST:
+            t_lo, t_hi, t_step = gl.program_id(0), m_tiles * tiles_n, gl.num_programs(0)
+            pid_m, tile_n, pid_k, s_lo, n = 0, 0, 0, 0, n_steps  # (the tile's own set in the loops)
+        elif WHOLE:
+            pid_m = gl.program_id(0)
             j = gl.program_id(1)
             split = (j >= whole).to(gl.int32)
             js = (j - whole) * split  # (0 for a whole tile)
@@ -1308,6 +1349,7 @@ if HAS_GLUON:
             s_lo = pid_k * split_steps
             n = gl.minimum(split_steps + n_steps * (1 - split), n_steps - s_lo)  # (every split non-empty)
         else:
+            pid_m = gl.program_id(0)
             tile_n = gl.program_id(1)
             pid_k = gl.program_id(2)
             s_lo = pid_k * split_steps
@@ -1326,21 +1368,21 @@ if HAS_GLUON:
         if NWG == 1:
             gl.warp_specialize([
                 (_ws_consumer, (w_bufs, s_bufs, x_bufs, ready, empty, n, 0, tile_n, pid_m, pid_k, tiles_n, whole,
-                                gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M, N, stride_ym, BT, STAGES, NWG, SPLIT_K,
-                                WHOLE, GS_PER_ROW, HAS_BIAS, F16)),
-                (_ws_producer, (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, tile_n * 64,
-                                pid_m * BT, s_lo, n, BT, STAGES, NWG)),
+                                t_lo, t_hi, t_step, m_tiles, group_m, gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M, N,
+                                stride_ym, BT, STAGES, NWG, SPLIT_K, WHOLE, PERSIST, GS_PER_ROW, HAS_BIAS, F16)),
+                (_ws_producer, (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, tile_n, pid_m, s_lo, n,
+                                t_lo, t_hi, t_step, m_tiles, tiles_n, group_m, BT, STAGES, NWG, PERSIST)),
             ], [1], [24])
         else:
             gl.warp_specialize([
                 (_ws_consumer, (w_bufs, s_bufs, x_bufs, ready, empty, n, 0, tile_n, pid_m, pid_k, tiles_n, whole,
-                                gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M, N, stride_ym, BT, STAGES, NWG, SPLIT_K,
-                                WHOLE, GS_PER_ROW, HAS_BIAS, F16)),
-                (_ws_producer, (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, tile_n * 64 * NWG,
-                                pid_m * BT, s_lo, n, BT, STAGES, NWG)),
+                                t_lo, t_hi, t_step, m_tiles, group_m, gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M, N,
+                                stride_ym, BT, STAGES, NWG, SPLIT_K, WHOLE, PERSIST, GS_PER_ROW, HAS_BIAS, F16)),
+                (_ws_producer, (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, tile_n, pid_m, s_lo, n,
+                                t_lo, t_hi, t_step, m_tiles, tiles_n, group_m, BT, STAGES, NWG, PERSIST)),
                 (_ws_consumer, (w_bufs, s_bufs, x_bufs, ready, empty, n, 1, tile_n, pid_m, pid_k, tiles_n, whole,
-                                gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M, N, stride_ym, BT, STAGES, NWG, SPLIT_K,
-                                WHOLE, GS_PER_ROW, HAS_BIAS, F16)),
+                                t_lo, t_hi, t_step, m_tiles, group_m, gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M, N,
+                                stride_ym, BT, STAGES, NWG, SPLIT_K, WHOLE, PERSIST, GS_PER_ROW, HAS_BIAS, F16)),
             ], [1, 4], [24, CONSUMER_REGS])
 
 
@@ -1386,8 +1428,9 @@ def plan_forward(M, N, K, dtype, device, mma=True):
             kernel = "mma"  # 1.7-2.5x cuBLAS at M = 1, 1.4-2.0x at M = 8; on Hopper wgmma is faster from 2 rows
         elif M == 1:
             kernel = "gemv"  # 1.2-1.8x
-        elif wgmma and M <= 256:
-            kernel = "wgmma"  # 1.3-2.5x cuBLAS at 16 rows, 0.9-1.6x at 64, 0.6-0.9x at 256 (dequant 0.55-0.8x)
+        elif wgmma and (M <= 256 or (M <= 2048 and N >= 16384 and K % 256 == 0)):
+            kernel = "wgmma"  # 1.3-2.5x cuBLAS at 16 rows, 0.9-1.6x at 64, 0.6-0.9x at 256 (dequant 0.55-0.8x);
+            # gate/up-like (wide) layers up to 2048 rows, persistent (below)
         elif M > 128 or dtype == torch.float32:
             kernel = "dequant"  # compute dominates: this layer's bf16 weight + cuBLAS (fp32: exact fp32 GEMM)
         else:
@@ -1409,6 +1452,12 @@ def plan_forward(M, N, K, dtype, device, mma=True):
         # 8 ways below 64 rows of x, 4 at 64 rows, 2 above; gate/up has programs enough unsplit (the best
         # found on the Qwen2.5-7B shapes, results/fp4_gemm_h200.md, sessions 9 and 12)
         bt = _wgmma_rows_of_x(M, N, K)
+        if M > 256 and K % 256 == 0:  # persistent programs (one an SM) over 128 x 128 tiles in groups of 16 tiles
+            # of x, so that the ring loads the next tile while the consumers store the last. Gate/up-like
+            # layers at 512-1536 rows: 0.76-0.90x cuBLAS, dequant + cuBLAS 0.64-0.77x; a tie at 2048; worse from
+            # 3072 rows, and on down-like layers (too few tiles to fill the last round evenly) (H200, 7B, 14B
+            # and 32B shapes, results/fp4_gemm_h200.md, session 26)
+            return dict(kernel="wgmma", BT=128, BLOCK_K=256, SPLIT_K=1, STAGES=2, NWG=2, PERSIST=True, GROUP_M=16)
         if M > 32 and K % 256 == 0:  # warp-specialized, a 2-deep ring: down 13% faster at 64 rows, every
             # layer 2-15% faster at 128-256 (at 256, q/k/v, o and down ran dequant + cuBLAS before: down 37%
             # faster); no gain at 32 rows or fewer, where the plain kernel's own prefetch keeps up
@@ -1690,7 +1739,8 @@ def _x_rows(M, plan):
 def _wgmma_linear(x2, packed, scale_u8, gs, bias, plan, x_k_ordered=False):
     """The wgmma kernel's launch: x permuted along K (k_ordered) into a buffer of _x_rows, then one launch
     that also sums its split-K partials. A plan with STAGES runs the warp-specialized variant (TMA
-    descriptors of x, codes and scales; with WHOLE, only the weight tiles from WHOLE on split K).
+    descriptors of x, codes and scales; with WHOLE, only the weight tiles from WHOLE on split K; with
+    PERSIST, one program a place walking the tiles in groups of GROUP_M tiles of x).
     x_k_ordered: x2 is in that order already, the first M rows of a buffer of _x_rows where its storage
     holds them (else the TMA copies zero-fill past M)."""
     M, K = x2.shape
@@ -1725,7 +1775,13 @@ def _wgmma_linear(x2, packed, scale_u8, gs, bias, plan, x_k_ordered=False):
     # the tiles of x side by side (the grid's first axis): each weight tile is read from memory once, by
     # programs that run together
     some_whole = whole > 0 and split > 1
-    grid = (m_tiles, whole + (tiles_n - whole) * split) if some_whole else (m_tiles, tiles_n, split)
+    persist = plan.get("PERSIST", False) and split == 1
+    if persist:  # one program a place, each taking tiles in grouped order
+        grid = (min(m_tiles * tiles_n, _ws_places(plan, x2.device)),)
+    elif some_whole:
+        grid = (m_tiles, whole + (tiles_n - whole) * split)
+    else:
+        grid = (m_tiles, tiles_n, split)
     swizzled = lambda bits: gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=bits, rank=2)
     x_desc = TensorDescriptor.from_tensor(xp, [bt, 64], swizzled(16))
     w_desc = TensorDescriptor.from_tensor(packed.view(torch.int32), [64, 32], swizzled(32))
@@ -1734,10 +1790,11 @@ def _wgmma_linear(x2, packed, scale_u8, gs, bias, plan, x_k_ordered=False):
     # Registers: `regs` a thread for every warpgroup of the program (the producer's counts as one); the
     # partitions then trade them (setmaxnreg): the producer keeps 24, the consumers share the rest evenly.
     regs = 128 if nwg == 1 else 168
-    _wgmma_ws_kernel[grid](x_desc, w_desc, s_desc, gs, bias, y, part, _locks(x2.device, tiles_n * nwg * m_tiles), M,
-                           N, steps, y.stride(0), split_steps, tiles_n, whole, BT=bt, STAGES=plan["STAGES"], NWG=nwg,
-                           WHOLE=some_whole, CONSUMER_REGS=((nwg + 1) * regs - 24) // nwg // 8 * 8, maxnreg=regs,
-                           **flags)
+    locks = _locks(x2.device, 0 if split == 1 else tiles_n * nwg * m_tiles)
+    _wgmma_ws_kernel[grid](x_desc, w_desc, s_desc, gs, bias, y, part, locks, M, N, steps, y.stride(0), split_steps,
+                           tiles_n, whole, m_tiles, plan.get("GROUP_M", m_tiles), BT=bt, STAGES=plan["STAGES"], NWG=nwg,
+                           WHOLE=some_whole, PERSIST=persist, CONSUMER_REGS=((nwg + 1) * regs - 24) // nwg // 8 * 8,
+                           maxnreg=regs, **flags)
     return y
 
 
@@ -1754,7 +1811,7 @@ def _runnable_plan(x2, packed, scale_u8, plan=None):
     if "STAGES" in plan and plan["BLOCK_K"] != 256:
         raise ValueError(f"the warp-specialized wgmma kernel takes k-steps of 256, not {plan['BLOCK_K']}")
     if "STAGES" in plan and not _tma_fits(packed, scale_u8):
-        plan = {k: v for k, v in plan.items() if k not in ("STAGES", "NWG", "WHOLE")}
+        plan = {k: v for k, v in plan.items() if k not in ("STAGES", "NWG", "WHOLE", "PERSIST", "GROUP_M")}
     return plan
 
 
@@ -2197,6 +2254,9 @@ def _candidates(M, N, K, direction):
                         c += [dict(tiles, SPLIT_K=s) for s in (1, 2, 3, 4, 8) + ((16,) if K >= 8192 else ())]
                         last = _last_wave_split(tiles, M, N, K, torch.device("cuda"))  # (its own SPLIT_K)
                         c += [dict(tiles, **last)] if last else []
+    if K % 256 == 0 and M > 256:  # the persistent variant (unsplit, two consumer warpgroups)
+        c += [dict(kernel="wgmma", BT=128, BLOCK_K=256, SPLIT_K=1, STAGES=2, NWG=2, PERSIST=True, GROUP_M=g)
+              for g in (4, 8, 16)]
     if 16 < M <= 64:
         for bm in (32, 64) if M <= 32 else (64,):
             for bn in (32, 64, 128):
@@ -2324,6 +2384,7 @@ def _kernel_label(p):
         return f"mma {16 * p['num_warps'] * p['ROW_TILES']} rows{split} w{p['num_warps']}"
     if p["kernel"] == "wgmma":
         ws = f" ws{p['STAGES']}" + (f"x{p['NWG']}wg" if p.get("NWG", 1) > 1 else "") if "STAGES" in p else ""
+        ws += f" persistent g{p['GROUP_M']}" if p.get("PERSIST") else ""
         return f"wgmma {64 * p.get('NWG', 1)}x{p['BT']}x{p['BLOCK_K']}{split}{ws}"
     return (f"{p['kernel']} {p.get('BLOCK_M', 1)}x{p['BLOCK_N']}x{p['BLOCK_K']}{split}"
             + (" plain-decode" if p.get("asm") is False else "") + f" w{p.get('num_warps')}s{p.get('num_stages')}")

@@ -431,7 +431,7 @@ def test_gpu_wgmma_ws_against_float64(dtype, poisoned):
     split-K, two consumer warpgroups with rows past N, bias, per-row global scales; equal
     bit for bit to the kernel without the producer on the same tiles (same slices, same order), and
     deterministic, with the counters back at zero; codes that TMA cannot read fall back to that kernel;
-    replayed inside a CUDA graph. Then plans that split only the tiles after WHOLE."""
+    replayed inside a CUDA graph. Then plans that split only the tiles after WHOLE, and persistent ones."""
     for M, K, N, bt, split, stages, nwg, bias, per_row in (
             (1, 512, 200, 8, 1, 4, 1, True, True), (5, 2304, 72, 8, 4, 2, 1, False, True),
             (8, 1536, 136, 8, 2, 6, 2, True, False), (9, 256, 40, 16, 1, 4, 1, True, True),
@@ -474,6 +474,20 @@ def test_gpu_wgmma_ws_against_float64(dtype, poisoned):
         assert torch.equal(y[:, :r], fp4_gemm.triton_linear(x, *args, dict(plan, SPLIT_K=1))[:, :r])
         assert torch.equal(y[:, r:], fp4_gemm.triton_linear(x, *args, plan)[:, r:])
         assert not fp4_gemm._locks(x.device).any()
+    # persistent programs (PERSIST): 8 x 33 tiles for 132 or fewer programs, groups of tiles of x that do not
+    # divide 8, rows past M and N: every tile written, equal bit for bit to one program a tile
+    M, K, N = 1000, 512, 4200
+    q = make_q(N, K, True, seed=7)
+    x = torch.randn(M, K, dtype=dtype, device=DEV)
+    b = torch.randn(N, dtype=dtype, device=DEV)
+    args = (q.packed, q.scale.view(torch.uint8), q.global_scale, b)
+    plan = dict(kernel="wgmma", BT=128, BLOCK_K=256, SPLIT_K=1, STAGES=2, NWG=2)
+    ref = x.double().cpu() @ ref_weight(q.packed, q.scale, q.global_scale).t() + b.double().cpu()
+    for group in (3, 16):
+        y = fp4_gemm.triton_linear(x, *args, dict(plan, PERSIST=True, GROUP_M=group))
+        assert torch.isfinite(y).all() and rel_err(y, ref) < (4e-3 if dtype == torch.bfloat16 else 1e-3)
+        assert torch.equal(y, fp4_gemm.triton_linear(x, *args, plan)), group
+    assert fp4_gemm.plan_forward(1024, 37888, 3584, dtype, x.device).get("PERSIST")  # gate/up's plan there
 
 
 @gpu_only
@@ -492,7 +506,8 @@ def test_hopper_plans_are_configs_the_sweep_tries(monkeypatch):
     """plan_forward's table on an H200 only ever picks configs that `--tune` times (so each was measured
     and is checked by the GPU tests' kernels), for the Qwen2.5 7B, 14B and 32B layer shapes: the
     mma at one row, the plain wgmma kernel from 2 to 32 rows, the warp-specialized one from 33 to 256,
-    with k-steps of 256; dequant + cuBLAS above 256."""
+    with k-steps of 256, and its persistent form for gate/up from 257 to 2048 rows; dequant + cuBLAS for
+    the rest above 256."""
     monkeypatch.setattr(fp4_gemm, "_is_hopper", lambda device: True)
     monkeypatch.setattr(fp4_gemm, "HAS_GLUON", True)
     monkeypatch.setattr(fp4_gemm, "_sm_count", lambda device: 132)
@@ -500,13 +515,15 @@ def test_hopper_plans_are_configs_the_sweep_tries(monkeypatch):
     shapes = [(3584, 4608), (3584, 3584), (3584, 37888), (18944, 3584),  # 7B: K, N of q/k/v, o, gate/up, down
               (5120, 7168), (5120, 5120), (5120, 27648), (13824, 5120),  # 14B
               (5120, 7168), (5120, 5120), (5120, 55296), (27648, 5120)]  # 32B
-    for M in (1, 2, 4, 8, 9, 16, 32, 33, 64, 100, 128, 200, 256, 257, 1024, 4096):
+    for M in (1, 2, 4, 8, 9, 16, 32, 33, 64, 100, 128, 200, 256, 257, 1024, 2048, 2049, 4096):
         for K, N in shapes:
             plan = fp4_gemm.plan_forward(M, N, K, torch.bfloat16, cuda)
             assert plan in fp4_gemm._candidates(M, N, K, "fwd"), (M, N, K, plan)
-            want = "mma" if M == 1 else "wgmma" if M <= 256 else "dequant"
+            wide = N >= 16384  # gate/up
+            want = "mma" if M == 1 else "wgmma" if M <= 256 or (wide and M <= 2048) else "dequant"
             assert plan["kernel"] == want, (M, N, K, plan)
-            assert ("STAGES" in plan) == (32 < M <= 256), (M, N, K, plan)
+            assert ("STAGES" in plan) == (32 < M and want == "wgmma"), (M, N, K, plan)
+            assert plan.get("PERSIST", False) == (M > 256 and want == "wgmma"), (M, N, K, plan)
             assert "STAGES" not in plan or plan["BLOCK_K"] == 256
 
 
