@@ -1115,27 +1115,29 @@ if HAS_GLUON:
 
     @gluon.jit
     def _wgmma_split_sum(acc, rows, toks, mask, tile, pid_k, row0, gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M, N,
-                         stride_ym, SPLIT_K: gl.constexpr, GS_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr):
-        """Split K's end: this split's fp32 partial, then a ticket; the tile's last program sums the partials
-        in order and stores y. The partials (SPLIT_K, M, N - row0) hold the weight rows from row0 on."""
+                         stride_ym, parts, GS_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr):
+        """Split K's end: this split's (pid_k of `parts`) fp32 partial, then a ticket; the tile's last program
+        sums the partials in order and stores y. The partials (parts, M, N - row0) hold the weight rows from
+        row0 on."""
         n_part = N - row0
         part = part_ptr + toks[None, :].to(gl.int64) * n_part + (rows[:, None] - row0)  # split s at + s · M · n_part
         gl.store(part + pid_k * M * n_part, acc, mask=mask)
         _cta_barrier()  # every thread's partial is written before the ticket is taken
-        if gl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+        if gl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu") == parts - 1:
             acc = gl.zeros_like(acc)
-            for s in range(SPLIT_K):  # .cg: read L2, never a stale line of this SM's L1. (A loop: with
+            for s in range(parts):  # .cg: read L2, never a stale line of this SM's L1. (A loop: with
                 # static_range the loads all issued at once and took up to 38 more registers.)
                 acc += gl.load(part + s * M * n_part, mask=mask, other=0.0, cache_modifier=".cg")
             gl.atomic_xchg(lock_ptr + tile, 0, sem="relaxed", scope="gpu")
             _wgmma_finish(acc, rows, toks, mask, gs_ptr, bias_ptr, y_ptr, N, stride_ym, GS_PER_ROW, HAS_BIAS)
 
     @gluon.jit
-    def _wgmma_epilogue(acc, tile_n, pid_m, pid_k, tiles_n, whole, gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M,
-                        N, stride_ym, BT: gl.constexpr, SPLIT_K: gl.constexpr, WHOLE: gl.constexpr,
-                        GS_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr):
+    def _wgmma_epilogue(acc, tile_n, pid_m, pid_k, parts, tiles_n, whole, gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr,
+                        M, N, stride_ym, BT: gl.constexpr, SPLIT_K: gl.constexpr, WHOLE: gl.constexpr,
+                        STREAM: gl.constexpr, GS_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr):
         """A warpgroup's (64 weight rows of tile tile_n, BT tokens) result: straight to y, or with split K
-        through _wgmma_split_sum; with WHOLE, only the tiles from `whole` on are split."""
+        through _wgmma_split_sum; with WHOLE, only the tiles from `whole` on are split; with STREAM, a tile
+        that `parts` programs share (a stream-K piece: pid_k is this program's place among them)."""
         # a layout with each thread on 4 consecutive rows (= contiguous outputs of a token)
         out_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[4, 1], threads_per_warp=[16, 2], warps_per_cta=[1, 4],
                                                order=[0, 1])
@@ -1144,7 +1146,13 @@ if HAS_GLUON:
         toks = pid_m * BT + gl.arange(0, BT, layout=gl.SliceLayout(0, out_l))
         mask = (rows[:, None] < N) & (toks[None, :] < M)
         tile = pid_m * tiles_n + tile_n
-        if SPLIT_K == 1:
+        if STREAM:
+            if parts == 1:
+                _wgmma_finish(acc, rows, toks, mask, gs_ptr, bias_ptr, y_ptr, N, stride_ym, GS_PER_ROW, HAS_BIAS)
+            else:
+                _wgmma_split_sum(acc, rows, toks, mask, tile, pid_k, 0, gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M,
+                                 N, stride_ym, parts, GS_PER_ROW, HAS_BIAS)
+        elif SPLIT_K == 1:
             _wgmma_finish(acc, rows, toks, mask, gs_ptr, bias_ptr, y_ptr, N, stride_ym, GS_PER_ROW, HAS_BIAS)
         elif WHOLE:
             if tile_n < whole:
@@ -1220,8 +1228,8 @@ if HAS_GLUON:
             words = words_next
             sb = sb_next
         _wgmma_pdl_launch_next(PDL)
-        _wgmma_epilogue(acc, pid_n, pid_m, pid_k, gl.num_programs(0), 0, gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr,
-                        M, N, stride_ym, BT, SPLIT_K, False, GS_PER_ROW, HAS_BIAS)
+        _wgmma_epilogue(acc, pid_n, pid_m, pid_k, SPLIT_K, gl.num_programs(0), 0, gs_ptr, bias_ptr, y_ptr, part_ptr,
+                        lock_ptr, M, N, stride_ym, BT, SPLIT_K, False, False, GS_PER_ROW, HAS_BIAS)
 
 
 # The warp-specialized variant (plan key STAGES): the same decode and MMAs, fed by a producer warp.
@@ -1241,6 +1249,12 @@ if HAS_GLUON:
 # PERSIST: one program an SM walks many tiles (_ws_tile's order) with one ring, so that the loads of a
 # tile's first k-steps overlap the consumers' stores of the tile before: gate/up at 1024 rows 435 ->
 # 402 us (session 26), where a program's 14 k-steps are short next to its fill and its stores.
+# STREAM (stream-K, with PERSIST): the last one or two waves of tiles are not dealt out whole, which
+# leaves SMs idle when the tiles do not divide evenly among them (down's 56 tiles at 256 rows on 132
+# SMs), but as k-steps: every program takes the same run of them, tile after tile (_stream_k), so
+# a tile may be shared by a few programs, which sum their fp32 partials as split K does (the last to
+# finish adds them up in order; no program waits on another). 14B down at 256 rows 97 -> 73 us, 7B
+# gate/up at 1024 rows 0.79 -> 0.86x cuBLAS (session 27).
 if HAS_GLUON:
     @gluon.constexpr_function
     def _lane_local_2d(inner):
@@ -1266,79 +1280,119 @@ if HAS_GLUON:
         return tm, tn
 
     @gluon.jit
-    def _ws_producer(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, tile_n, pid_m, s_lo, n, t_lo, t_hi,
-                     t_step, m_tiles, tiles_n, group_m, BT: gl.constexpr, STAGES: gl.constexpr, NWG: gl.constexpr,
-                     PERSIST: gl.constexpr):
-        """One warp: for each of the program's tiles (one, or with PERSIST t_lo, t_lo + t_step, .. < t_hi),
-        k-steps s_lo .. s_lo + n of codes and scales (NWG tiles of 64 weight rows) and x (BT tokens) into
-        the ring, each stage once its consumers have released it. The ring runs on across tiles, so the
-        next tile's first k-steps load while the consumers store the last one."""
+    def _ws_load(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, tok0, row0, k_lo, k_hi, i,
+                 BT: gl.constexpr, STAGES: gl.constexpr, NWG: gl.constexpr):
+        """The producer's work for one tile: k-steps k_lo .. k_hi - 1 of codes and scales (NWG tiles of 64
+        weight rows from row0) and x (tokens from tok0) into the ring, stage i % STAGES on, each stage once
+        its consumers have released it. Returns the k-steps loaded so far."""
         Q: gl.constexpr = 4  # 64-k slices of a k-step of 256
         nbytes: gl.constexpr = NWG * (w_desc.block_type.nbytes + s_desc.block_type.nbytes) + Q * x_desc.block_type.nbytes
+        for k in range(k_lo, k_hi):
+            st = i % STAGES
+            mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)  # (passes at once on a fresh barrier)
+            bar = ready.index(st)
+            mbarrier.expect(bar, nbytes)
+            for g in gl.static_range(NWG):
+                tma.async_copy_global_to_shared(w_desc, [row0 + 64 * g, k * 32], bar, w_bufs.index(st * NWG + g))
+                tma.async_copy_global_to_shared(s_desc, [row0 + 64 * g, k * 16], bar, s_bufs.index(st * NWG + g))
+            for q in gl.static_range(Q):
+                tma.async_copy_global_to_shared(x_desc, [tok0, k * 256 + 64 * q], bar,
+                                                x_bufs.index(st).slice(q * BT, BT))
+            i += 1
+        return i
+
+    @gluon.jit
+    def _ws_producer(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, tile_n, pid_m, s_lo, n, t_lo, t_hi,
+                     t_step, m_tiles, tiles_n, group_m, u_lo, u_hi, BT: gl.constexpr, STAGES: gl.constexpr,
+                     NWG: gl.constexpr, PERSIST: gl.constexpr, STREAM: gl.constexpr):
+        """One warp: for each of the program's tiles (one, or with PERSIST t_lo, t_lo + t_step, .. < t_hi),
+        k-steps s_lo .. s_lo + n into the ring (_ws_load); then with STREAM its share of the tiles from t_hi
+        on (k-steps u_lo .. u_hi - 1 of theirs, counted tile after tile). The ring runs on across tiles, so
+        the next tile's first k-steps load while the consumers store the last one."""
         i = 0  # k-steps loaded so far
         for t in range(t_lo, t_hi, t_step):
             tm, tn = _ws_tile(t, pid_m, tile_n, m_tiles, tiles_n, group_m, PERSIST)
-            row0 = tn * 64 * NWG
-            tok0 = tm * BT
-            for k in range(s_lo, s_lo + n):
-                st = i % STAGES
-                mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)  # (passes at once on a fresh barrier)
-                bar = ready.index(st)
-                mbarrier.expect(bar, nbytes)
-                for g in gl.static_range(NWG):
-                    tma.async_copy_global_to_shared(w_desc, [row0 + 64 * g, k * 32], bar, w_bufs.index(st * NWG + g))
-                    tma.async_copy_global_to_shared(s_desc, [row0 + 64 * g, k * 16], bar, s_bufs.index(st * NWG + g))
-                for q in gl.static_range(Q):
-                    tma.async_copy_global_to_shared(x_desc, [tok0, k * 256 + 64 * q], bar,
-                                                    x_bufs.index(st).slice(q * BT, BT))
-                i += 1
+            i = _ws_load(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, tm * BT, tn * 64 * NWG, s_lo,
+                         s_lo + n, i, BT, STAGES, NWG)
+        if STREAM:
+            for r in range(u_lo // n, (u_hi + n - 1) // n):
+                tm, tn = _ws_tile(t_hi + r, pid_m, tile_n, m_tiles, tiles_n, group_m, PERSIST)
+                i = _ws_load(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, tm * BT, tn * 64 * NWG,
+                             gl.maximum(u_lo - r * n, 0), gl.minimum(u_hi - r * n, n), i, BT, STAGES, NWG)
+
+    @gluon.jit
+    def _ws_mma(w_bufs, s_bufs, x_bufs, ready, empty, wg, n, i, BT: gl.constexpr, STAGES: gl.constexpr,
+                NWG: gl.constexpr, F16: gl.constexpr):
+        """A consumer's work for one tile: its 64 weight rows x BT tokens over the next n k-steps of the
+        ring, from stage i % STAGES on, each stage released once read. Returns the sum and the k-steps
+        consumed so far."""
+        mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_l, k_width=2)
+        acc = gl.zeros((64, BT), gl.float32, layout=mma_l)
+        for _ in range(n):
+            st = i % STAGES
+            mbarrier.wait(ready.index(st), (i // STAGES) & 1)
+            words = w_bufs.index(st * NWG + wg).load(_lane_local_2d(8)).to(gl.uint32, bitcast=True)
+            words = gl.convert_layout(gl.reshape(words, (64, 4, 8)), _lane_local(8, 1), assert_trivial=True)
+            sb = s_bufs.index(st * NWG + wg).load(_lane_local_2d(4))
+            sb = gl.convert_layout(gl.reshape(sb, (64, 4, 4)), _lane_local(4, 1), assert_trivial=True)
+            a = _wgmma_decode(_slice_of(words, 0, 4), _slice_of(sb, 0, 4), a_l, F16)
+            acc = _wgmma_step(acc, a, words, sb, x_bufs.index(st), a_l, BT, F16)
+            fence_async_shared()  # this warpgroup's reads are ordered before the producer's next TMA writes
+            mbarrier.arrive(empty.index(st), count=1)
+            i += 1
+        return acc, i
 
     @gluon.jit
     def _ws_consumer(w_bufs, s_bufs, x_bufs, ready, empty, n, wg, tile_n, pid_m, pid_k, tiles_n, whole, t_lo, t_hi,
-                     t_step, m_tiles, group_m, gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M, N, stride_ym,
-                     BT: gl.constexpr, STAGES: gl.constexpr, NWG: gl.constexpr, SPLIT_K: gl.constexpr,
-                     WHOLE: gl.constexpr, PERSIST: gl.constexpr, GS_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr,
-                     F16: gl.constexpr):
+                     t_step, m_tiles, group_m, u_lo, u_hi, sk_per, gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M, N,
+                     stride_ym, BT: gl.constexpr, STAGES: gl.constexpr, NWG: gl.constexpr, SPLIT_K: gl.constexpr,
+                     WHOLE: gl.constexpr, PERSIST: gl.constexpr, STREAM: gl.constexpr, GS_PER_ROW: gl.constexpr,
+                     HAS_BIAS: gl.constexpr, F16: gl.constexpr):
         """One warpgroup: weight rows of 64-row tile wg of the program's tile_n (NWG of them) x BT tokens
-        over the n k-steps, for each of the program's tiles (as the producer's)."""
-        mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
-        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_l, k_width=2)
+        over the n k-steps, for each of the program's tiles, then its stream-K pieces (as the producer's).
+        A piece of tile r (from t_hi) belongs to the programs whose sk_per k-steps overlap r's: the first is
+        r · n // sk_per, this one is u_lo // sk_per."""
         i = 0  # k-steps consumed so far
         for t in range(t_lo, t_hi, t_step):
             tm, tn = _ws_tile(t, pid_m, tile_n, m_tiles, tiles_n, group_m, PERSIST)
-            acc = gl.zeros((64, BT), gl.float32, layout=mma_l)
-            for _ in range(n):
-                st = i % STAGES
-                mbarrier.wait(ready.index(st), (i // STAGES) & 1)
-                words = w_bufs.index(st * NWG + wg).load(_lane_local_2d(8)).to(gl.uint32, bitcast=True)
-                words = gl.convert_layout(gl.reshape(words, (64, 4, 8)), _lane_local(8, 1), assert_trivial=True)
-                sb = s_bufs.index(st * NWG + wg).load(_lane_local_2d(4))
-                sb = gl.convert_layout(gl.reshape(sb, (64, 4, 4)), _lane_local(4, 1), assert_trivial=True)
-                a = _wgmma_decode(_slice_of(words, 0, 4), _slice_of(sb, 0, 4), a_l, F16)
-                acc = _wgmma_step(acc, a, words, sb, x_bufs.index(st), a_l, BT, F16)
-                fence_async_shared()  # this warpgroup's reads are ordered before the producer's next TMA writes
-                mbarrier.arrive(empty.index(st), count=1)
-                i += 1
-            _wgmma_epilogue(acc, tn * NWG + wg, tm, pid_k, tiles_n * NWG, whole * NWG, gs_ptr, bias_ptr, y_ptr,
-                            part_ptr, lock_ptr, M, N, stride_ym, BT, SPLIT_K, WHOLE, GS_PER_ROW, HAS_BIAS)
+            acc, i = _ws_mma(w_bufs, s_bufs, x_bufs, ready, empty, wg, n, i, BT, STAGES, NWG, F16)
+            _wgmma_epilogue(acc, tn * NWG + wg, tm, pid_k, SPLIT_K, tiles_n * NWG, whole * NWG, gs_ptr, bias_ptr, y_ptr,
+                            part_ptr, lock_ptr, M, N, stride_ym, BT, SPLIT_K, WHOLE, False, GS_PER_ROW, HAS_BIAS)
+        if STREAM:
+            for r in range(u_lo // n, (u_hi + n - 1) // n):
+                tm, tn = _ws_tile(t_hi + r, pid_m, tile_n, m_tiles, tiles_n, group_m, PERSIST)
+                steps = gl.minimum(u_hi - r * n, n) - gl.maximum(u_lo - r * n, 0)
+                acc, i = _ws_mma(w_bufs, s_bufs, x_bufs, ready, empty, wg, steps, i, BT, STAGES, NWG, F16)
+                first = r * n // sk_per
+                parts = ((r + 1) * n - 1) // sk_per - first + 1
+                _wgmma_epilogue(acc, tn * NWG + wg, tm, u_lo // sk_per - first, parts, tiles_n * NWG, 0, gs_ptr,
+                                bias_ptr, y_ptr, part_ptr, lock_ptr, M, N, stride_ym, BT, SPLIT_K, WHOLE, True,
+                                GS_PER_ROW, HAS_BIAS)
 
     @gluon.jit
     def _wgmma_ws_kernel(x_desc, w_desc, s_desc, gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M, N, n_steps,
-                         stride_ym, split_steps, tiles_n, whole, m_tiles, group_m, BT: gl.constexpr,
-                         STAGES: gl.constexpr, NWG: gl.constexpr, SPLIT_K: gl.constexpr, WHOLE: gl.constexpr,
-                         PERSIST: gl.constexpr, GS_PER_ROW: gl.constexpr, HAS_BIAS: gl.constexpr, F16: gl.constexpr,
-                         PDL: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                         stride_ym, split_steps, tiles_n, whole, m_tiles, group_m, stream_from, sk_per,
+                         BT: gl.constexpr, STAGES: gl.constexpr, NWG: gl.constexpr, SPLIT_K: gl.constexpr,
+                         WHOLE: gl.constexpr, PERSIST: gl.constexpr, STREAM: gl.constexpr, GS_PER_ROW: gl.constexpr,
+                         HAS_BIAS: gl.constexpr, F16: gl.constexpr, PDL: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         """Program (m, n, s): BT rows of x (tile m, in wgmma_k_order, through x_desc) against weight tile n
         of NWG · 64 rows, k-steps of 256 s · split_steps .. (n_steps in all). With WHOLE, program (m, j):
         tile j whole for j < whole, then one split of a later tile, splits after splits: j = whole +
         s · (tiles_n - whole) + (n - whole). With PERSIST (unsplit), program p of a 1-D grid: tiles p, p +
-        grid, .. of m_tiles x tiles_n, in _ws_tile's order. x_desc, w_desc, s_desc: TMA descriptors of
-        x (BT, 64), the codes as 32-bit words (64, 32) and the scale bytes (64, 16)."""
+        grid, .. below stream_from of m_tiles x tiles_n, in _ws_tile's order; with STREAM too (stream-K)
+        k-steps p · sk_per .. (p + 1) · sk_per - 1 of the tiles from stream_from on, counted tile after tile,
+        so that every program gets the same work however few tiles there are. x_desc, w_desc, s_desc: TMA
+        descriptors of x (BT, 64), the codes as 32-bit words (64, 32) and the scale bytes (64, 16)."""
         _wgmma_pdl_wait(PDL)
         t_lo, t_hi, t_step = 0, 1, 1  # one tile a program
+        u_lo, u_hi = 0, 0  # stream-K k-steps
         if PERSIST:
-            t_lo, t_hi, t_step = gl.program_id(0), m_tiles * tiles_n, gl.num_programs(0)
+            t_lo, t_hi, t_step = gl.program_id(0), stream_from, gl.num_programs(0)
             pid_m, tile_n, pid_k, s_lo, n = 0, 0, 0, 0, n_steps  # (the tile's own set in the loops)
+            if STREAM:
+                u_lo = gl.program_id(0) * sk_per
+                u_hi = gl.minimum(u_lo + sk_per, (m_tiles * tiles_n - stream_from) * n_steps)
         elif WHOLE:
             pid_m = gl.program_id(0)
             j = gl.program_id(1)
@@ -1368,21 +1422,26 @@ if HAS_GLUON:
         if NWG == 1:
             gl.warp_specialize([
                 (_ws_consumer, (w_bufs, s_bufs, x_bufs, ready, empty, n, 0, tile_n, pid_m, pid_k, tiles_n, whole,
-                                t_lo, t_hi, t_step, m_tiles, group_m, gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M, N,
-                                stride_ym, BT, STAGES, NWG, SPLIT_K, WHOLE, PERSIST, GS_PER_ROW, HAS_BIAS, F16)),
+                                t_lo, t_hi, t_step, m_tiles, group_m, u_lo, u_hi, sk_per, gs_ptr, bias_ptr, y_ptr,
+                                part_ptr, lock_ptr, M, N, stride_ym, BT, STAGES, NWG, SPLIT_K, WHOLE, PERSIST, STREAM,
+                                GS_PER_ROW, HAS_BIAS, F16)),
                 (_ws_producer, (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, tile_n, pid_m, s_lo, n,
-                                t_lo, t_hi, t_step, m_tiles, tiles_n, group_m, BT, STAGES, NWG, PERSIST)),
+                                t_lo, t_hi, t_step, m_tiles, tiles_n, group_m, u_lo, u_hi, BT, STAGES, NWG, PERSIST,
+                                STREAM)),
             ], [1], [24])
         else:
             gl.warp_specialize([
                 (_ws_consumer, (w_bufs, s_bufs, x_bufs, ready, empty, n, 0, tile_n, pid_m, pid_k, tiles_n, whole,
-                                t_lo, t_hi, t_step, m_tiles, group_m, gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M, N,
-                                stride_ym, BT, STAGES, NWG, SPLIT_K, WHOLE, PERSIST, GS_PER_ROW, HAS_BIAS, F16)),
+                                t_lo, t_hi, t_step, m_tiles, group_m, u_lo, u_hi, sk_per, gs_ptr, bias_ptr, y_ptr,
+                                part_ptr, lock_ptr, M, N, stride_ym, BT, STAGES, NWG, SPLIT_K, WHOLE, PERSIST, STREAM,
+                                GS_PER_ROW, HAS_BIAS, F16)),
                 (_ws_producer, (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, tile_n, pid_m, s_lo, n,
-                                t_lo, t_hi, t_step, m_tiles, tiles_n, group_m, BT, STAGES, NWG, PERSIST)),
+                                t_lo, t_hi, t_step, m_tiles, tiles_n, group_m, u_lo, u_hi, BT, STAGES, NWG, PERSIST,
+                                STREAM)),
                 (_ws_consumer, (w_bufs, s_bufs, x_bufs, ready, empty, n, 1, tile_n, pid_m, pid_k, tiles_n, whole,
-                                t_lo, t_hi, t_step, m_tiles, group_m, gs_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M, N,
-                                stride_ym, BT, STAGES, NWG, SPLIT_K, WHOLE, PERSIST, GS_PER_ROW, HAS_BIAS, F16)),
+                                t_lo, t_hi, t_step, m_tiles, group_m, u_lo, u_hi, sk_per, gs_ptr, bias_ptr, y_ptr,
+                                part_ptr, lock_ptr, M, N, stride_ym, BT, STAGES, NWG, SPLIT_K, WHOLE, PERSIST, STREAM,
+                                GS_PER_ROW, HAS_BIAS, F16)),
             ], [1, 4], [24, CONSUMER_REGS])
 
 
@@ -1428,9 +1487,9 @@ def plan_forward(M, N, K, dtype, device, mma=True):
             kernel = "mma"  # 1.7-2.5x cuBLAS at M = 1, 1.4-2.0x at M = 8; on Hopper wgmma is faster from 2 rows
         elif M == 1:
             kernel = "gemv"  # 1.2-1.8x
-        elif wgmma and (M <= 256 or (M <= 2048 and N >= 16384 and K % 256 == 0)):
+        elif wgmma and (M <= 256 or (K % 256 == 0 and ((M <= 1536 and N >= 16384) or (M <= 512 and K >= 8192)))):
             kernel = "wgmma"  # 1.3-2.5x cuBLAS at 16 rows, 0.9-1.6x at 64, 0.6-0.9x at 256 (dequant 0.55-0.8x);
-            # gate/up-like (wide) layers up to 2048 rows, persistent (below)
+            # gate/up-like (wide) layers up to 1536 rows and down-like (long-K) ones up to 512, stream-K (below)
         elif M > 128 or dtype == torch.float32:
             kernel = "dequant"  # compute dominates: this layer's bf16 weight + cuBLAS (fp32: exact fp32 GEMM)
         else:
@@ -1452,12 +1511,17 @@ def plan_forward(M, N, K, dtype, device, mma=True):
         # 8 ways below 64 rows of x, 4 at 64 rows, 2 above; gate/up has programs enough unsplit (the best
         # found on the Qwen2.5-7B shapes, results/fp4_gemm_h200.md, sessions 9 and 12)
         bt = _wgmma_rows_of_x(M, N, K)
-        if M > 256 and K % 256 == 0:  # persistent programs (one an SM) over 128 x 128 tiles in groups of 16 tiles
-            # of x, so that the ring loads the next tile while the consumers store the last. Gate/up-like
-            # layers at 512-1536 rows: 0.76-0.90x cuBLAS, dequant + cuBLAS 0.64-0.77x; a tie at 2048; worse from
-            # 3072 rows, and on down-like layers (too few tiles to fill the last round evenly) (H200, 7B, 14B
-            # and 32B shapes, results/fp4_gemm_h200.md, session 26)
-            return dict(kernel="wgmma", BT=128, BLOCK_K=256, SPLIT_K=1, STAGES=2, NWG=2, PERSIST=True, GROUP_M=16)
+        # persistent programs (one an SM) over 128 x 128 tiles in groups of 16 tiles of x, so that the ring loads
+        # the next tile while the consumers store the last, with the last one or two waves' k-steps shared out
+        # evenly (stream-K): gate/up-like layers at 129-1536 rows, down-like ones at 257-512. On the 7B, 14B
+        # and 32B shapes: gate/up at 256-1024 rows 0.84-0.90x cuBLAS, where the plans before took 0.76-0.86x;
+        # down at 384-512 0.70-0.88x, where dequant + cuBLAS took 0.62-0.66x. A tie with dequant + cuBLAS for
+        # gate/up at 1536 rows, behind it from 2048 (0.80-0.81x against 0.85-0.86x), and for down at 768 as
+        # often behind as ahead (H200, results/fp4_gemm_h200.md, session 27)
+        stream = dict(kernel="wgmma", BT=128, BLOCK_K=256, SPLIT_K=1, STAGES=2, NWG=2, PERSIST=True, STREAM=True,
+                      GROUP_M=16)
+        if K % 256 == 0 and (M > 256 or (M > 128 and N >= 16384)):
+            return stream
         if M > 32 and K % 256 == 0:  # warp-specialized, a 2-deep ring: down 13% faster at 64 rows, every
             # layer 2-15% faster at 128-256 (at 256, q/k/v, o and down ran dequant + cuBLAS before: down 37%
             # faster); no gain at 32 rows or fewer, where the plain kernel's own prefetch keeps up
@@ -1467,6 +1531,11 @@ def plan_forward(M, N, K, dtype, device, mma=True):
             nwg = 2 if bt == 128 and (N > 4096 or K >= 8192) else 1
             plan = dict(kernel="wgmma", BT=bt, BLOCK_K=256, SPLIT_K=split, STAGES=2, NWG=nwg)
             tiles = triton.cdiv(N, 64 * nwg) * triton.cdiv(M, bt)
+            if split > 1 and bt == 128 and K >= 8192 and tiles * split > _ws_places(plan, device):  # down-like
+                # layers whose splits would spill past one wave: 14B and 32B down at 128 rows 0.87-0.94x ->
+                # 1.13-1.21x cuBLAS, at 256 0.64-0.65x -> 0.86-0.88x; 7B's 28 tiles split 4 or 2 fit
+                # (results/fp4_gemm_h200.md, session 27)
+                return stream
             if split == 2 and N > K and 3 * tiles <= _ws_places(plan, device):  # q/k/v when 3 splits of its
                 # tiles fill at most one wave: 7B at 33-64 rows 13.4-14.0 -> 11.9-12.6 us; o (N = K) lost with 3
                 # or 4 (results/fp4_gemm_h200.md, session 22)
@@ -1515,6 +1584,17 @@ def _last_wave_split(plan, M, N, K, device):
     left = (tiles_n - whole) * m_tiles
     split = min(K // 256, places // left) if left else 1
     return dict(WHOLE=whole, SPLIT_K=split) if whole and split > 1 else {}
+
+
+def _stream_k(tiles, steps, places):
+    """How a persistent plan with STREAM shares `tiles` tiles of `steps` k-steps among `places` programs:
+    whole tiles in turn for all full waves but the last (none below two waves), then the rest (one to two
+    waves' worth) as stream-K: each program the same run of k-steps, counted tile after tile. Returns the
+    first stream-K tile, the k-steps a program, and how many programs a tile can be shared by at most
+    (the fp32 partials to hold)."""
+    rest = tiles if tiles < 2 * places else tiles % places + places
+    per = triton.cdiv(rest * steps, places)
+    return tiles - rest, per, min(places, (steps - 2 + per) // per + 1)
 
 
 def _ws_places(plan, device):
@@ -1740,7 +1820,8 @@ def _wgmma_linear(x2, packed, scale_u8, gs, bias, plan, x_k_ordered=False):
     """The wgmma kernel's launch: x permuted along K (k_ordered) into a buffer of _x_rows, then one launch
     that also sums its split-K partials. A plan with STAGES runs the warp-specialized variant (TMA
     descriptors of x, codes and scales; with WHOLE, only the weight tiles from WHOLE on split K; with
-    PERSIST, one program a place walking the tiles in groups of GROUP_M tiles of x).
+    PERSIST, one program a place walking the tiles in groups of GROUP_M tiles of x; with STREAM too, the
+    last one or two waves' k-steps shared out evenly, _stream_k).
     x_k_ordered: x2 is in that order already, the first M rows of a buffer of _x_rows where its storage
     holds them (else the TMA copies zero-fill past M)."""
     M, K = x2.shape
@@ -1776,8 +1857,14 @@ def _wgmma_linear(x2, packed, scale_u8, gs, bias, plan, x_k_ordered=False):
     # programs that run together
     some_whole = whole > 0 and split > 1
     persist = plan.get("PERSIST", False) and split == 1
+    stream_from, sk_per = m_tiles * tiles_n, 1  # (no stream-K tiles)
     if persist:  # one program a place, each taking tiles in grouped order
-        grid = (min(m_tiles * tiles_n, _ws_places(plan, x2.device)),)
+        places = _ws_places(plan, x2.device)
+        grid = (min(m_tiles * tiles_n, places),)
+        if plan.get("STREAM", False):
+            grid = (places,)
+            stream_from, sk_per, slots = _stream_k(m_tiles * tiles_n, steps, places)
+            part = torch.empty(slots, M, N, dtype=torch.float32, device=x2.device) if slots > 1 else y
     elif some_whole:
         grid = (m_tiles, whole + (tiles_n - whole) * split)
     else:
@@ -1790,11 +1877,12 @@ def _wgmma_linear(x2, packed, scale_u8, gs, bias, plan, x_k_ordered=False):
     # Registers: `regs` a thread for every warpgroup of the program (the producer's counts as one); the
     # partitions then trade them (setmaxnreg): the producer keeps 24, the consumers share the rest evenly.
     regs = 128 if nwg == 1 else 168
-    locks = _locks(x2.device, 0 if split == 1 else tiles_n * nwg * m_tiles)
+    locks = _locks(x2.device, 0 if part is y else tiles_n * nwg * m_tiles)
     _wgmma_ws_kernel[grid](x_desc, w_desc, s_desc, gs, bias, y, part, locks, M, N, steps, y.stride(0), split_steps,
-                           tiles_n, whole, m_tiles, plan.get("GROUP_M", m_tiles), BT=bt, STAGES=plan["STAGES"], NWG=nwg,
-                           WHOLE=some_whole, PERSIST=persist, CONSUMER_REGS=((nwg + 1) * regs - 24) // nwg // 8 * 8,
-                           maxnreg=regs, **flags)
+                           tiles_n, whole, m_tiles, plan.get("GROUP_M", m_tiles), stream_from, sk_per, BT=bt,
+                           STAGES=plan["STAGES"], NWG=nwg, WHOLE=some_whole, PERSIST=persist,
+                           STREAM=stream_from < m_tiles * tiles_n,
+                           CONSUMER_REGS=((nwg + 1) * regs - 24) // nwg // 8 * 8, maxnreg=regs, **flags)
     return y
 
 
@@ -1811,7 +1899,7 @@ def _runnable_plan(x2, packed, scale_u8, plan=None):
     if "STAGES" in plan and plan["BLOCK_K"] != 256:
         raise ValueError(f"the warp-specialized wgmma kernel takes k-steps of 256, not {plan['BLOCK_K']}")
     if "STAGES" in plan and not _tma_fits(packed, scale_u8):
-        plan = {k: v for k, v in plan.items() if k not in ("STAGES", "NWG", "WHOLE", "PERSIST", "GROUP_M")}
+        plan = {k: v for k, v in plan.items() if k not in ("STAGES", "NWG", "WHOLE", "PERSIST", "GROUP_M", "STREAM")}
     return plan
 
 
@@ -2254,9 +2342,9 @@ def _candidates(M, N, K, direction):
                         c += [dict(tiles, SPLIT_K=s) for s in (1, 2, 3, 4, 8) + ((16,) if K >= 8192 else ())]
                         last = _last_wave_split(tiles, M, N, K, torch.device("cuda"))  # (its own SPLIT_K)
                         c += [dict(tiles, **last)] if last else []
-    if K % 256 == 0 and M > 256:  # the persistent variant (unsplit, two consumer warpgroups)
-        c += [dict(kernel="wgmma", BT=128, BLOCK_K=256, SPLIT_K=1, STAGES=2, NWG=2, PERSIST=True, GROUP_M=g)
-              for g in (4, 8, 16)]
+    if K % 256 == 0 and M > 64:  # the persistent variant (unsplit, two consumer warpgroups), with stream-K or not
+        c += [dict(kernel="wgmma", BT=128, BLOCK_K=256, SPLIT_K=1, STAGES=2, NWG=2, PERSIST=True, GROUP_M=g, **s)
+              for g in (4, 8, 16) for s in ({}, dict(STREAM=True))]
     if 16 < M <= 64:
         for bm in (32, 64) if M <= 32 else (64,):
             for bn in (32, 64, 128):
@@ -2384,7 +2472,7 @@ def _kernel_label(p):
         return f"mma {16 * p['num_warps'] * p['ROW_TILES']} rows{split} w{p['num_warps']}"
     if p["kernel"] == "wgmma":
         ws = f" ws{p['STAGES']}" + (f"x{p['NWG']}wg" if p.get("NWG", 1) > 1 else "") if "STAGES" in p else ""
-        ws += f" persistent g{p['GROUP_M']}" if p.get("PERSIST") else ""
+        ws += f" persistent g{p['GROUP_M']}" + (" stream-K" if p.get("STREAM") else "") if p.get("PERSIST") else ""
         return f"wgmma {64 * p.get('NWG', 1)}x{p['BT']}x{p['BLOCK_K']}{split}{ws}"
     return (f"{p['kernel']} {p.get('BLOCK_M', 1)}x{p['BLOCK_N']}x{p['BLOCK_K']}{split}"
             + (" plain-decode" if p.get("asm") is False else "") + f" w{p.get('num_warps')}s{p.get('num_stages')}")

@@ -431,7 +431,8 @@ def test_gpu_wgmma_ws_against_float64(dtype, poisoned):
     split-K, two consumer warpgroups with rows past N, bias, per-row global scales; equal
     bit for bit to the kernel without the producer on the same tiles (same slices, same order), and
     deterministic, with the counters back at zero; codes that TMA cannot read fall back to that kernel;
-    replayed inside a CUDA graph. Then plans that split only the tiles after WHOLE, and persistent ones."""
+    replayed inside a CUDA graph. Then plans that split only the tiles after WHOLE, persistent ones, and
+    persistent ones sharing out k-steps (stream-K)."""
     for M, K, N, bt, split, stages, nwg, bias, per_row in (
             (1, 512, 200, 8, 1, 4, 1, True, True), (5, 2304, 72, 8, 4, 2, 1, False, True),
             (8, 1536, 136, 8, 2, 6, 2, True, False), (9, 256, 40, 16, 1, 4, 1, True, True),
@@ -488,6 +489,25 @@ def test_gpu_wgmma_ws_against_float64(dtype, poisoned):
         assert torch.isfinite(y).all() and rel_err(y, ref) < (4e-3 if dtype == torch.bfloat16 else 1e-3)
         assert torch.equal(y, fp4_gemm.triton_linear(x, *args, plan)), group
     assert fp4_gemm.plan_forward(1024, 37888, 3584, dtype, x.device).get("PERSIST")  # gate/up's plan there
+    # stream-K (STREAM): tiles shared by 7 programs (16 tiles of 14 k-steps, 2 k-steps a program), by two (99
+    # tiles of 4, 3 a program), whole tiles in turn and then shared ones (320 tiles: 132 whole, then 188 of 2
+    # k-steps, 3 a program), 64-row tiles with one consumer warpgroup and more places than k-steps (48 tiles of
+    # 4 for 264 programs: some take none): every partial summed once, in the same order each call
+    for M, K, N, bt, nwg in ((200, 3584, 1000, 128, 2), (300, 1024, 4200, 128, 2), (1000, 512, 5000, 128, 2),
+                             (150, 1024, 1000, 64, 1)):
+        q = make_q(N, K, True, seed=M + N)
+        x = torch.randn(M, K, dtype=dtype, device=DEV)
+        b = torch.randn(N, dtype=dtype, device=DEV)
+        args = (q.packed, q.scale.view(torch.uint8), q.global_scale, b)
+        stream = dict(plan, BT=bt, NWG=nwg, PERSIST=True, STREAM=True, GROUP_M=16)
+        tiles = -(-M // bt) * -(-N // (64 * nwg))
+        _, per, slots = fp4_gemm._stream_k(tiles, K // 256, fp4_gemm._ws_places(stream, x.device))
+        assert slots > 1 and per % (K // 256) != 0, (M, K, N, per)  # (some tiles shared, as meant)
+        y = fp4_gemm.triton_linear(x, *args, stream)
+        ref = x.double().cpu() @ ref_weight(q.packed, q.scale, q.global_scale).t() + b.double().cpu()
+        assert torch.isfinite(y).all() and rel_err(y, ref) < (4e-3 if dtype == torch.bfloat16 else 1e-3), (M, K, N)
+        assert torch.equal(fp4_gemm.triton_linear(x, *args, stream), y)
+        assert not fp4_gemm._locks(x.device).any()
 
 
 @gpu_only
@@ -506,8 +526,9 @@ def test_hopper_plans_are_configs_the_sweep_tries(monkeypatch):
     """plan_forward's table on an H200 only ever picks configs that `--tune` times (so each was measured
     and is checked by the GPU tests' kernels), for the Qwen2.5 7B, 14B and 32B layer shapes: the
     mma at one row, the plain wgmma kernel from 2 to 32 rows, the warp-specialized one from 33 to 256,
-    with k-steps of 256, and its persistent form for gate/up from 257 to 2048 rows; dequant + cuBLAS for
-    the rest above 256."""
+    with k-steps of 256, and its persistent stream-K form for gate/up from 129 to 1536 rows, for down
+    from 257 to 512 and at 65-256 where its splits would spill past one wave (14B and 32B, not 7B);
+    dequant + cuBLAS for the rest above 256."""
     monkeypatch.setattr(fp4_gemm, "_is_hopper", lambda device: True)
     monkeypatch.setattr(fp4_gemm, "HAS_GLUON", True)
     monkeypatch.setattr(fp4_gemm, "_sm_count", lambda device: 132)
@@ -515,16 +536,46 @@ def test_hopper_plans_are_configs_the_sweep_tries(monkeypatch):
     shapes = [(3584, 4608), (3584, 3584), (3584, 37888), (18944, 3584),  # 7B: K, N of q/k/v, o, gate/up, down
               (5120, 7168), (5120, 5120), (5120, 27648), (13824, 5120),  # 14B
               (5120, 7168), (5120, 5120), (5120, 55296), (27648, 5120)]  # 32B
-    for M in (1, 2, 4, 8, 9, 16, 32, 33, 64, 100, 128, 200, 256, 257, 1024, 2048, 2049, 4096):
+    for M in (1, 2, 4, 8, 9, 16, 32, 33, 64, 65, 100, 128, 129, 200, 256, 257, 512, 513, 1024, 1536, 1537, 4096):
         for K, N in shapes:
             plan = fp4_gemm.plan_forward(M, N, K, torch.bfloat16, cuda)
             assert plan in fp4_gemm._candidates(M, N, K, "fwd"), (M, N, K, plan)
-            wide = N >= 16384  # gate/up
-            want = "mma" if M == 1 else "wgmma" if M <= 256 or (wide and M <= 2048) else "dequant"
+            wide, long = N >= 16384, K >= 8192  # gate/up, down
+            want = ("mma" if M == 1 else "wgmma" if M <= 256 or (wide and M <= 1536) or (long and M <= 512)
+                    else "dequant")
             assert plan["kernel"] == want, (M, N, K, plan)
             assert ("STAGES" in plan) == (32 < M and want == "wgmma"), (M, N, K, plan)
-            assert plan.get("PERSIST", False) == (M > 256 and want == "wgmma"), (M, N, K, plan)
+            # (7B down's 28 weight tiles split 4 or 2 ways fit in one wave of 132; 14B's and 32B's 40 do not)
+            stream = want == "wgmma" and (M > 256 or (wide and M > 128) or (long and M > 64 and N > 3584))
+            assert plan.get("PERSIST", False) == plan.get("STREAM", False) == stream, (M, N, K, plan)
             assert "STAGES" not in plan or plan["BLOCK_K"] == 256
+
+
+def test_stream_k_shares_every_k_step_once():
+    """_stream_k's share-out, walked as the persistent kernel walks it: whole tiles p, p + places, .. below
+    the first stream-K tile, then k-steps p · per .. of the rest, tile after tile. Every k-step of every
+    tile is taken by exactly one program, and the programs sharing a tile (first = r · n // per on) are
+    at most `slots`, as many fp32 partials as the host allocates. Below two waves every tile is shared
+    out; above, one to two waves' worth."""
+    for tiles, n, places in ((16, 14, 132), (99, 4, 132), (320, 2, 132), (48, 4, 264), (264, 74, 132),
+                             (224, 74, 132), (72, 14, 132), (2368, 14, 132), (1, 1, 132), (5, 3, 4)):
+        first, per, slots = fp4_gemm._stream_k(tiles, n, places)
+        rest = tiles - first
+        assert first % places == 0 and (rest == tiles if tiles < 2 * places else places <= rest < 2 * places)
+        taken = {}
+        for p in range(places):
+            for t in range(p, first, places):
+                taken.update({(t, k): taken.get((t, k), []) + [p] for k in range(n)})
+            u_lo, u_hi = p * per, min(p * per + per, (tiles - first) * n)
+            for r in range(u_lo // n, (u_hi + n - 1) // n):
+                for k in range(max(u_lo - r * n, 0), min(u_hi - r * n, n)):
+                    taken[first + r, k] = taken.get((first + r, k), []) + [p]
+        assert sorted(taken) == [(t, k) for t in range(tiles) for k in range(n)], (tiles, n, places)
+        assert all(len(ps) == 1 for ps in taken.values())
+        for r in range(tiles - first):
+            sharing = sorted({taken[first + r, k][0] for k in range(n)})
+            lo, hi = r * n // per, ((r + 1) * n - 1) // per  # the consumer's first and last program of tile r
+            assert sharing == list(range(lo, hi + 1)) and len(sharing) <= slots, (tiles, n, places, r)
 
 
 def test_last_wave_split_fills_the_gpu(monkeypatch):
