@@ -1531,11 +1531,15 @@ def plan_forward(M, N, K, dtype, device, mma=True):
             nwg = 2 if bt == 128 and (N > 4096 or K >= 8192) else 1
             plan = dict(kernel="wgmma", BT=bt, BLOCK_K=256, SPLIT_K=split, STAGES=2, NWG=nwg)
             tiles = triton.cdiv(N, 64 * nwg) * triton.cdiv(M, bt)
-            if split > 1 and bt == 128 and K >= 8192 and tiles * split > _ws_places(plan, device):  # down-like
-                # layers whose splits would spill past one wave: 14B and 32B down at 128 rows 0.87-0.94x ->
-                # 1.13-1.21x cuBLAS, at 256 0.64-0.65x -> 0.86-0.88x; 7B's 28 tiles split 4 or 2 fit
-                # (results/fp4_gemm_h200.md, session 27)
-                return stream
+            if split > 1 and K >= 8192 and tiles * split > _ws_places(plan, device):  # down-like layers whose
+                # splits would spill past one wave: as many splits as fit in it, or stream-K where that is one.
+                # 14B and 32B down (80 or 40 tiles, 7B's 56 or 28 fit): at 33-64 rows 3 splits, 1.29-1.33x ->
+                # 1.72-1.86x cuBLAS; at 128 3, 0.90-0.94x -> 1.29-1.32x; at 256 stream-K, 0.64-0.65x ->
+                # 0.82-0.91x (H200, results/fp4_gemm_h200.md, session 27)
+                split = _ws_places(plan, device) // tiles
+                if split < 2:
+                    return stream
+                plan["SPLIT_K"] = split
             if split == 2 and N > K and 3 * tiles <= _ws_places(plan, device):  # q/k/v when 3 splits of its
                 # tiles fill at most one wave: 7B at 33-64 rows 13.4-14.0 -> 11.9-12.6 us; o (N = K) lost with 3
                 # or 4 (results/fp4_gemm_h200.md, session 22)

@@ -526,8 +526,8 @@ def test_hopper_plans_are_configs_the_sweep_tries(monkeypatch):
     """plan_forward's table on an H200 only ever picks configs that `--tune` times (so each was measured
     and is checked by the GPU tests' kernels), for the Qwen2.5 7B, 14B and 32B layer shapes: the
     mma at one row, the plain wgmma kernel from 2 to 32 rows, the warp-specialized one from 33 to 256,
-    with k-steps of 256, and its persistent stream-K form for gate/up from 129 to 1536 rows, for down
-    from 257 to 512 and at 65-256 where its splits would spill past one wave (14B and 32B, not 7B);
+    with k-steps of 256, and its persistent stream-K form for gate/up from 129 to 1536 rows and for down
+    from 257 to 512; down's splits fit in one wave (14B and 32B: 3, not 4; stream-K at 129-256 rows);
     dequant + cuBLAS for the rest above 256."""
     monkeypatch.setattr(fp4_gemm, "_is_hopper", lambda device: True)
     monkeypatch.setattr(fp4_gemm, "HAS_GLUON", True)
@@ -545,9 +545,13 @@ def test_hopper_plans_are_configs_the_sweep_tries(monkeypatch):
                     else "dequant")
             assert plan["kernel"] == want, (M, N, K, plan)
             assert ("STAGES" in plan) == (32 < M and want == "wgmma"), (M, N, K, plan)
-            # (7B down's 28 weight tiles split 4 or 2 ways fit in one wave of 132; 14B's and 32B's 40 do not)
-            stream = want == "wgmma" and (M > 256 or (wide and M > 128) or (long and M > 64 and N > 3584))
+            # 7B down's weight tiles split 4 or 2 ways fit in one wave (56 x 4 of 64 rows for 264 places at 33-64
+            # rows of x, 28 x 4 or x 2 of 128 for 132 above); 14B's and 32B's (80 or 40) split 3 ways up to 128
+            # rows, and at 129-256, where 80 tiles leave no room for 2, share out k-steps
+            stream = want == "wgmma" and (M > 256 or (wide and M > 128) or (long and M > 128 and N > 3584))
             assert plan.get("PERSIST", False) == plan.get("STREAM", False) == stream, (M, N, K, plan)
+            if long and 32 < M <= 128:
+                assert plan["SPLIT_K"] == (4 if N == 3584 else 3), (M, N, K, plan)
             assert "STAGES" not in plan or plan["BLOCK_K"] == 256
 
 
