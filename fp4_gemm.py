@@ -1534,7 +1534,7 @@ def plan_forward(M, N, K, dtype, device, mma=True):
             if split > 1 and K >= 8192 and tiles * split > _ws_places(plan, device):  # down-like layers whose
                 # splits would spill past one wave: as many splits as fit in it, or stream-K where that is one.
                 # 14B and 32B down (80 or 40 tiles, 7B's 56 or 28 fit): at 33-64 rows 3 splits, 1.29-1.33x ->
-                # 1.72-1.86x cuBLAS; at 128 3, 0.90-0.94x -> 1.29-1.32x; at 256 stream-K, 0.64-0.65x ->
+                # 1.72-1.86x cuBLAS; at 128 3, 0.87-0.94x -> 1.29-1.32x; at 256 stream-K, 0.64-0.65x ->
                 # 0.82-0.91x (H200, results/fp4_gemm_h200.md, session 27)
                 split = _ws_places(plan, device) // tiles
                 if split < 2:
