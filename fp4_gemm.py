@@ -91,11 +91,13 @@ Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
   gate/up there from 75 to 67 us), 1.09x / 1.18x and 0.69x / 0.75x. At 1-32 rows it ties or loses,
   also with 8-row tiles and 4-6 stages (the plain kernel's own prefetch keeps up; at one row the mma
   kernel takes 7-26% less time, at 4-8 rows the plain kernel 1-8%).
-  Above 256 rows, on gate/up-like layers (N >= 16384) up to 2048 rows, its persistent form (PERSIST: one
-  program an SM walking tiles in groups of 16 tiles of x, one ring for all, so the next tile loads while
-  the last one is stored) runs instead of dequant + cuBLAS: 0.76-0.90x cuBLAS at 512-2048 rows on the 7B,
-  14B and 32B gate/up, where dequant + cuBLAS took 0.64-0.87x; on other layers and from 3072 rows it
-  loses (session 26).
+  Its persistent form (PERSIST: one program an SM walking tiles in groups of 16 tiles of x, one ring for
+  all, so the next tile loads while the last one is stored; session 26) with stream-K (STREAM: the last
+  one or two waves shared out as equal runs of k-steps, session 27) runs for gate/up-like layers (N >=
+  16384) at 129-1536 rows and down-like ones (K >= 8192) at 257-512, and where a down-like layer's
+  splits would not fit one wave: 0.84-0.90x cuBLAS for gate/up at 256-1024 rows on the 7B, 14B and 32B
+  shapes (the plans before: 0.76-0.86x), 0.70-0.88x for down at 384-512 (dequant + cuBLAS: 0.62-0.66x);
+  on q/k/v and o, and from 2048 rows (gate/up) or 768 (down), it ties or loses.
   A caller whose own kernel produces x can store it in the K order itself and skip that launch
   (x_k_order, k_ordered_tile, fp4_linear_k_ordered: rollout's decode step from 33 rows).
   Gluon has no interpreter: on CPU the tests run its PTX on the emulator and check the K order
@@ -105,8 +107,8 @@ Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
   read from HBM once, split-K (up to 8) where the tiles are few. On the H200 0.9-1.2x cuBLAS for q/k/v
   and o at M = 16, 0.7x at M = 64: the decode and the layout shuffle Triton adds before the MMA cost
   more issue slots than the bytes saved.
-- dequant + cuBLAS (M > 256 on Hopper, but for the wide layers' 257-2048 rows; M > 128 elsewhere; fp32
-  inputs): a Triton kernel writes this one layer's weight in x's dtype, bit-identical to
+- dequant + cuBLAS (M > 256 on Hopper, but for the wide layers' 257-1536 rows and the long-K ones'
+  257-512; M > 128 elsewhere; fp32 inputs): a Triton kernel writes this one layer's weight in x's dtype, bit-identical to
   nvfp4.dequantize (same float32 arithmetic), and cuBLAS multiplies; the copy dies right after.
   0.73-0.81x cuBLAS at M = 1024, 0.75-0.95x at M = 4096 (the spread of four runs): the cost is
   writing the bf16 weight (gate/up's dequantization takes 100 us; cuBLAS then runs as on a bf16 weight).
@@ -1530,17 +1532,17 @@ def plan_forward(M, N, K, dtype, device, mma=True):
             # 3584 x 3584 at 256 rows (one: 18.8 us, two: 19.9 or more)
             nwg = 2 if bt == 128 and (N > 4096 or K >= 8192) else 1
             plan = dict(kernel="wgmma", BT=bt, BLOCK_K=256, SPLIT_K=split, STAGES=2, NWG=nwg)
-            tiles = triton.cdiv(N, 64 * nwg) * triton.cdiv(M, bt)
-            if split > 1 and K >= 8192 and tiles * split > _ws_places(plan, device):  # down-like layers whose
+            tiles, places = triton.cdiv(N, 64 * nwg) * triton.cdiv(M, bt), _ws_places(plan, device)
+            if split > 1 and K >= 8192 and tiles * split > places:  # down-like layers whose
                 # splits would spill past one wave: as many splits as fit in it, or stream-K where that is one.
                 # 14B and 32B down (80 or 40 tiles, 7B's 56 or 28 fit): at 33-64 rows 3 splits, 1.29-1.33x ->
                 # 1.72-1.86x cuBLAS; at 128 3, 0.87-0.94x -> 1.29-1.32x; at 256 stream-K, 0.64-0.65x ->
                 # 0.82-0.91x (H200, results/fp4_gemm_h200.md, session 27)
-                split = _ws_places(plan, device) // tiles
+                split = places // tiles
                 if split < 2:
                     return stream
                 plan["SPLIT_K"] = split
-            if split == 2 and N > K and 3 * tiles <= _ws_places(plan, device):  # q/k/v when 3 splits of its
+            if split == 2 and N > K and 3 * tiles <= places:  # q/k/v when 3 splits of its
                 # tiles fill at most one wave: 7B at 33-64 rows 13.4-14.0 -> 11.9-12.6 us; o (N = K) lost with 3
                 # or 4 (results/fp4_gemm_h200.md, session 22)
                 plan["SPLIT_K"] = 3
