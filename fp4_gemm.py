@@ -91,13 +91,17 @@ Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
   gate/up there from 75 to 67 us), 1.09x / 1.18x and 0.69x / 0.75x. At 1-32 rows it ties or loses,
   also with 8-row tiles and 4-6 stages (the plain kernel's own prefetch keeps up; at one row the mma
   kernel takes 7-26% less time, at 4-8 rows the plain kernel 1-8%).
+  Gate/up-like layers (N >= 16384) run it from 17 rows with three consumer warpgroups (192 weight rows
+  a program): at 64 rows Nsight Compute finds the two-warpgroup plans bound by nothing in particular
+  (DRAM 29%, L2 40%, 0.42 instructions issued a cycle per scheduler: latency), one warpgroup an SM
+  takes 1.4x as long, three take 4% less than two, four (spilling at 112 registers) no less (session 28).
   Its persistent form (PERSIST: one program an SM walking tiles in groups of 16 tiles of x, one ring for
   all, so the next tile loads while the last one is stored; session 26) with stream-K (STREAM: the last
-  one or two waves shared out as equal runs of k-steps, session 27) runs for gate/up-like layers (N >=
-  16384) at 129-1536 rows and down-like ones (K >= 8192) at 257-512, and where a down-like layer's
-  splits would not fit one wave: 0.84-0.90x cuBLAS for gate/up at 256-1024 rows on the 7B, 14B and 32B
-  shapes (the plans before: 0.76-0.86x), 0.70-0.88x for down at 384-512 (dequant + cuBLAS: 0.62-0.66x);
-  on q/k/v and o, and from 2048 rows (gate/up) or 768 (down), it ties or loses.
+  one or two waves shared out as equal runs of k-steps, session 27) runs for gate/up-like layers at
+  129-2048 rows and down-like ones (K >= 8192) at 257-512, both with three warpgroups, and where a
+  down-like layer's splits would not fit one wave: 0.85-1.00x cuBLAS for gate/up at 256-2048 rows on
+  the 7B, 14B and 32B shapes (two warpgroups: 0.79-0.88x), 0.76-0.81x for down at 384-512 (dequant +
+  cuBLAS: 0.62-0.67x); on q/k/v and o, and from 3072 rows (gate/up) or 768 (down), it ties or loses.
   A caller whose own kernel produces x can store it in the K order itself and skip that launch
   (x_k_order, k_ordered_tile, fp4_linear_k_ordered: rollout's decode step from 33 rows).
   Gluon has no interpreter: on CPU the tests run its PTX on the emulator and check the K order
@@ -107,7 +111,7 @@ Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
   read from HBM once, split-K (up to 8) where the tiles are few. On the H200 0.9-1.2x cuBLAS for q/k/v
   and o at M = 16, 0.7x at M = 64: the decode and the layout shuffle Triton adds before the MMA cost
   more issue slots than the bytes saved.
-- dequant + cuBLAS (M > 256 on Hopper, but for the wide layers' 257-1536 rows and the long-K ones'
+- dequant + cuBLAS (M > 256 on Hopper, but for the wide layers' 257-2048 rows and the long-K ones'
   257-512; M > 128 elsewhere; fp32 inputs): a Triton kernel writes this one layer's weight in x's dtype, bit-identical to
   nvfp4.dequantize (same float32 arithmetic), and cuBLAS multiplies; the copy dies right after.
   0.73-0.81x cuBLAS at M = 1024, 0.75-0.95x at M = 4096 (the spread of four runs): the cost is
@@ -1243,8 +1247,10 @@ if HAS_GLUON:
 # (64 x 16 bytes) and x (Q tiles of BT x 64) into a ring of STAGES buffers, and the consumer
 # warpgroups wait only on the ring's barriers (mbarrier: "ready" flips when a stage's bytes have
 # landed, "empty" when its NWG consumers are done with it). Consumers read codes and scales from shared
-# memory into the same lane-local registers as above and run the same slices. NWG = 2 puts two
-# consumer warpgroups (128 weight rows) on one x tile: x crosses from L2 half as often. Each consumer
+# memory into the same lane-local registers as above and run the same slices. NWG = 2 or 3 puts two or
+# three consumer warpgroups (128 or 192 weight rows) on one x tile: x crosses from L2 half or a third as
+# often, and more MMAs and decodes are in flight an SM (what the gain is: four, with a third of x's
+# traffic again, are no faster; session 28). Each consumer
 # stores its own result (_wgmma_epilogue). TMA needs k-steps of 256 (a row's scales: 16 bytes).
 # Measured on the H200 (results/fp4_gemm_h200.md, session 12): faster from 33 rows of x on, with a ring
 # of 2 stages, which plan_forward uses there; at 1-32 rows no faster than the plain kernel or mma.
@@ -1418,9 +1424,10 @@ if HAS_GLUON:
         for b in gl.static_range(STAGES):
             mbarrier.init(ready.index(b), count=1)
             mbarrier.init(empty.index(b), count=NWG)
-        # the partitions: consumer 0 in this program's 4 warps, the producer warp, [consumer 1 in 4 more]. Each
-        # list is spelled out whole: Gluon (triton 3.6) will not hold a (function, args) pair in a variable
-        # ("cannot convert JITFunction to tensor", session 14), so the NWG = 1 list cannot be reused in the other.
+        # the partitions: consumer 0 in this program's 4 warps, the producer warp, [consumers 1 .. NWG - 1 in 4
+        # more warps each]. Each list is spelled out whole: Gluon will not hold a (function, args) pair in a
+        # variable ("cannot convert JITFunction to tensor", triton 3.6, session 14), nor the args alone (their
+        # constexprs stop being constexpr, triton 3.8, session 28), so no list can reuse another's entries.
         if NWG == 1:
             gl.warp_specialize([
                 (_ws_consumer, (w_bufs, s_bufs, x_bufs, ready, empty, n, 0, tile_n, pid_m, pid_k, tiles_n, whole,
@@ -1431,7 +1438,7 @@ if HAS_GLUON:
                                 t_lo, t_hi, t_step, m_tiles, tiles_n, group_m, u_lo, u_hi, BT, STAGES, NWG, PERSIST,
                                 STREAM)),
             ], [1], [24])
-        else:
+        elif NWG == 2:
             gl.warp_specialize([
                 (_ws_consumer, (w_bufs, s_bufs, x_bufs, ready, empty, n, 0, tile_n, pid_m, pid_k, tiles_n, whole,
                                 t_lo, t_hi, t_step, m_tiles, group_m, u_lo, u_hi, sk_per, gs_ptr, bias_ptr, y_ptr,
@@ -1445,6 +1452,24 @@ if HAS_GLUON:
                                 part_ptr, lock_ptr, M, N, stride_ym, BT, STAGES, NWG, SPLIT_K, WHOLE, PERSIST, STREAM,
                                 GS_PER_ROW, HAS_BIAS, F16)),
             ], [1, 4], [24, CONSUMER_REGS])
+        else:
+            gl.warp_specialize([
+                (_ws_consumer, (w_bufs, s_bufs, x_bufs, ready, empty, n, 0, tile_n, pid_m, pid_k, tiles_n, whole,
+                                t_lo, t_hi, t_step, m_tiles, group_m, u_lo, u_hi, sk_per, gs_ptr, bias_ptr, y_ptr,
+                                part_ptr, lock_ptr, M, N, stride_ym, BT, STAGES, NWG, SPLIT_K, WHOLE, PERSIST, STREAM,
+                                GS_PER_ROW, HAS_BIAS, F16)),
+                (_ws_producer, (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, tile_n, pid_m, s_lo, n,
+                                t_lo, t_hi, t_step, m_tiles, tiles_n, group_m, u_lo, u_hi, BT, STAGES, NWG, PERSIST,
+                                STREAM)),
+                (_ws_consumer, (w_bufs, s_bufs, x_bufs, ready, empty, n, 1, tile_n, pid_m, pid_k, tiles_n, whole,
+                                t_lo, t_hi, t_step, m_tiles, group_m, u_lo, u_hi, sk_per, gs_ptr, bias_ptr, y_ptr,
+                                part_ptr, lock_ptr, M, N, stride_ym, BT, STAGES, NWG, SPLIT_K, WHOLE, PERSIST, STREAM,
+                                GS_PER_ROW, HAS_BIAS, F16)),
+                (_ws_consumer, (w_bufs, s_bufs, x_bufs, ready, empty, n, 2, tile_n, pid_m, pid_k, tiles_n, whole,
+                                t_lo, t_hi, t_step, m_tiles, group_m, u_lo, u_hi, sk_per, gs_ptr, bias_ptr, y_ptr,
+                                part_ptr, lock_ptr, M, N, stride_ym, BT, STAGES, NWG, SPLIT_K, WHOLE, PERSIST, STREAM,
+                                GS_PER_ROW, HAS_BIAS, F16)),
+            ], [1, 4, 4], [24, CONSUMER_REGS, CONSUMER_REGS])
 
 
 def _kernels(device):
@@ -1489,9 +1514,9 @@ def plan_forward(M, N, K, dtype, device, mma=True):
             kernel = "mma"  # 1.7-2.5x cuBLAS at M = 1, 1.4-2.0x at M = 8; on Hopper wgmma is faster from 2 rows
         elif M == 1:
             kernel = "gemv"  # 1.2-1.8x
-        elif wgmma and (M <= 256 or (K % 256 == 0 and ((M <= 1536 and N >= 16384) or (M <= 512 and K >= 8192)))):
-            kernel = "wgmma"  # 1.3-2.5x cuBLAS at 16 rows, 0.9-1.6x at 64, 0.6-0.9x at 256 (dequant 0.55-0.8x);
-            # gate/up-like (wide) layers up to 1536 rows and down-like (long-K) ones up to 512, stream-K (below)
+        elif wgmma and (M <= 256 or (K % 256 == 0 and ((M <= 2048 and N >= 16384) or (M <= 512 and K >= 8192)))):
+            kernel = "wgmma"  # 1.3-2.5x cuBLAS at 16 rows, 0.9-1.7x at 64, 0.7-1.0x at 256 (dequant 0.5-0.8x);
+            # gate/up-like (wide) layers up to 2048 rows and down-like (long-K) ones up to 512, stream-K (below)
         elif M > 128 or dtype == torch.float32:
             kernel = "dequant"  # compute dominates: this layer's bf16 weight + cuBLAS (fp32: exact fp32 GEMM)
         else:
@@ -1513,17 +1538,24 @@ def plan_forward(M, N, K, dtype, device, mma=True):
         # 8 ways below 64 rows of x, 4 at 64 rows, 2 above; gate/up has programs enough unsplit (the best
         # found on the Qwen2.5-7B shapes, results/fp4_gemm_h200.md, sessions 9 and 12)
         bt = _wgmma_rows_of_x(M, N, K)
-        # persistent programs (one an SM) over 128 x 128 tiles in groups of 16 tiles of x, so that the ring loads
+        # persistent programs (one an SM) over tiles of 128 rows of x in groups of 16, so that the ring loads
         # the next tile while the consumers store the last, with the last one or two waves' k-steps shared out
-        # evenly (stream-K): gate/up-like layers at 129-1536 rows, down-like ones at 257-512. On the 7B, 14B
-        # and 32B shapes: gate/up at 256-1024 rows 0.84-0.90x cuBLAS, where the plans before took 0.76-0.86x;
-        # down at 384-512 0.70-0.88x, where dequant + cuBLAS took 0.62-0.66x. A tie with dequant + cuBLAS for
-        # gate/up at 1536 rows, behind it from 2048 (0.80-0.81x against 0.85-0.86x), and for down at 768 as
-        # often behind as ahead (H200, results/fp4_gemm_h200.md, session 27)
-        stream = dict(kernel="wgmma", BT=128, BLOCK_K=256, SPLIT_K=1, STAGES=2, NWG=2, PERSIST=True, STREAM=True,
+        # evenly (stream-K): gate/up-like layers at 129-2048 rows, down-like ones at 257-512, both with three
+        # consumer warpgroups (192 weight rows: more decodes and MMAs in flight an SM than two). On the 7B,
+        # 14B and 32B shapes: gate/up at 256-2048 rows 0.85-1.00x cuBLAS, where two warpgroups took
+        # 0.79-0.88x and dequant + cuBLAS 0.48-0.88x; down at 384-512 0.76-0.81x, against 0.71-0.78x with two
+        # and dequant's 0.62-0.67x; down at 256 and 768 gained nothing (H200, results/fp4_gemm_h200.md,
+        # sessions 27-28)
+        stream = dict(kernel="wgmma", BT=128, BLOCK_K=256, SPLIT_K=1, STAGES=2, NWG=3, PERSIST=True, STREAM=True,
                       GROUP_M=16)
         if K % 256 == 0 and (M > 256 or (M > 128 and N >= 16384)):
             return stream
+        if K % 256 == 0 and 16 < M and N >= 16384:  # gate/up-like layers: three consumer warpgroups, the last
+            # wave's tiles split; at 32 / 33 / 64 / 128 rows of x 41.1 -> 39.4, 47.0 -> 44.3, 47.8 -> 45.7 and
+            # 67.4 -> 64.3 us on the 7B shape (32B at 64: 87.9 -> 85.5; 14B ties), where one or two warpgroups
+            # ran (H200, results/fp4_gemm_h200.md, session 28)
+            plan = dict(kernel="wgmma", BT=bt, BLOCK_K=256, SPLIT_K=1, STAGES=2, NWG=3)
+            return dict(plan, **_last_wave_split(plan, M, N, K, device))
         if M > 32 and K % 256 == 0:  # warp-specialized, a 2-deep ring: down 13% faster at 64 rows, every
             # layer 2-15% faster at 128-256 (at 256, q/k/v, o and down ran dequant + cuBLAS before: down 37%
             # faster); no gain at 32 rows or fewer, where the plain kernel's own prefetch keeps up
@@ -1539,8 +1571,8 @@ def plan_forward(M, N, K, dtype, device, mma=True):
                 # 1.72-1.86x cuBLAS; at 128 3, 0.87-0.94x -> 1.29-1.32x; at 256 stream-K, 0.64-0.65x ->
                 # 0.82-0.91x (H200, results/fp4_gemm_h200.md, session 27)
                 split = places // tiles
-                if split < 2:
-                    return stream
+                if split < 2:  # (two consumer warpgroups here: three measured 0-3% slower, session 28)
+                    return dict(stream, NWG=2)
                 plan["SPLIT_K"] = split
             if split == 2 and N > K and 3 * tiles <= places:  # q/k/v when 3 splits of its
                 # tiles fill at most one wave: 7B at 33-64 rows 13.4-14.0 -> 11.9-12.6 us; o (N = K) lost with 3
@@ -1617,10 +1649,16 @@ def _ws_ring_bytes(plan):
 def _ws_programs_per_sm(plan):
     """How many programs of a warp-specialized plan an H100 / H200 SM holds: 227 KB of shared memory a
     program at most (228 an SM, 1 reserved a program) for the ring (_ws_ring_bytes), and 64K registers
-    (the launch's maxnreg, 128 or 168, for each of 4 · NWG + 1 warps)."""
+    (the launch's maxnreg, _ws_maxnreg, for each of 4 · NWG + 1 warps)."""
     nwg = plan["NWG"]
-    regs = (128 if nwg == 1 else 168) * 32 * (4 * nwg + 1)
+    regs = _ws_maxnreg(nwg) * 32 * (4 * nwg + 1)
     return max(1, min((228 << 10) // (_ws_ring_bytes(plan) + (1 << 10)), 65536 // regs))
+
+
+def _ws_maxnreg(nwg):
+    """The launch's registers a thread of a warp-specialized plan with nwg consumer warpgroups (1, 2 or 3):
+    what (nwg + 1) warpgroups may hold on one SM (the producer warp is padded to a warpgroup)."""
+    return {1: 128, 2: 168, 3: 128}[nwg]
 
 
 @functools.lru_cache(maxsize=None)
@@ -1882,7 +1920,7 @@ def _wgmma_linear(x2, packed, scale_u8, gs, bias, plan, x_k_ordered=False):
                                                                                    element_bitwidth=8, rank=2))
     # Registers: `regs` a thread for every warpgroup of the program (the producer's counts as one); the
     # partitions then trade them (setmaxnreg): the producer keeps 24, the consumers share the rest evenly.
-    regs = 128 if nwg == 1 else 168
+    regs = _ws_maxnreg(nwg)
     locks = _locks(x2.device, 0 if part is y else tiles_n * nwg * m_tiles)
     _wgmma_ws_kernel[grid](x_desc, w_desc, s_desc, gs, bias, y, part, locks, M, N, steps, y.stride(0), split_steps,
                            tiles_n, whole, m_tiles, plan.get("GROUP_M", m_tiles), stream_from, sk_per, BT=bt,
@@ -2337,20 +2375,21 @@ def _candidates(M, N, K, direction):
                 if K % bk == 0:
                     for split in (1, 2, 4, 8, 16):
                         c.append(dict(kernel="wgmma", BT=bt, BLOCK_K=bk, SPLIT_K=split))
-    # the warp-specialized wgmma: rings of 2 or 4 stages, one or two consumer warpgroups (at 1-8 rows, 8-row
+    # the warp-specialized wgmma: rings of 2 or 4 stages, one to three consumer warpgroups (at 1-8 rows, 8-row
     # tiles with rings of 4 or 6 stages lost to the mma kernel and to the plain wgmma kernel: session 13)
     if K % 256 == 0 and 8 < M <= 256:
         for bt in [_wgmma_rows_of_x(min(M, 64), N, K)] + ([128] if M > 64 else []):
-            for nwg in (1, 2):
+            for nwg in (1, 2, 3):
                 for stages in (2, 4):
                     tiles = dict(kernel="wgmma", BT=bt, BLOCK_K=256, STAGES=stages, NWG=nwg)
                     if _ws_ring_bytes(tiles) <= 220 * 1024:
                         c += [dict(tiles, SPLIT_K=s) for s in (1, 2, 3, 4, 8) + ((16,) if K >= 8192 else ())]
                         last = _last_wave_split(tiles, M, N, K, torch.device("cuda"))  # (its own SPLIT_K)
                         c += [dict(tiles, **last)] if last else []
-    if K % 256 == 0 and M > 64:  # the persistent variant (unsplit, two consumer warpgroups), with stream-K or not
-        c += [dict(kernel="wgmma", BT=128, BLOCK_K=256, SPLIT_K=1, STAGES=2, NWG=2, PERSIST=True, GROUP_M=g, **s)
-              for g in (4, 8, 16) for s in ({}, dict(STREAM=True))]
+    if K % 256 == 0 and M > 64:  # the persistent variant (unsplit, two or three consumer warpgroups), with
+        # stream-K or not
+        c += [dict(kernel="wgmma", BT=128, BLOCK_K=256, SPLIT_K=1, STAGES=2, NWG=nwg, PERSIST=True, GROUP_M=g, **s)
+              for nwg in (2, 3) for g in (4, 8, 16) for s in ({}, dict(STREAM=True))]
     if 16 < M <= 64:
         for bm in (32, 64) if M <= 32 else (64,):
             for bn in (32, 64, 128):

@@ -428,16 +428,18 @@ def test_gpu_wgmma_against_float64(dtype, poisoned):
 def test_gpu_wgmma_ws_against_float64(dtype, poisoned):
     """The warp-specialized wgmma kernel (a producer warp filling a ring by TMA; STAGES in the plan)
     against float64: 8-row tiles from one row of x, rings shallower and deeper than the k-steps, uneven
-    split-K, two consumer warpgroups with rows past N, bias, per-row global scales; equal
-    bit for bit to the kernel without the producer on the same tiles (same slices, same order), and
-    deterministic, with the counters back at zero; codes that TMA cannot read fall back to that kernel;
-    replayed inside a CUDA graph. Then plans that split only the tiles after WHOLE, persistent ones, and
-    persistent ones sharing out k-steps (stream-K)."""
+    split-K, two or three consumer warpgroups (three: 192 weight rows a tile) with rows past N, bias,
+    per-row global scales; equal bit for bit to the kernel without the producer on the same tiles (same
+    slices, same order), and deterministic, with the counters back at zero; codes that TMA cannot read
+    fall back to that kernel; replayed inside a CUDA graph. Then plans that split only the tiles after
+    WHOLE, persistent ones, and persistent ones sharing out k-steps (stream-K)."""
     for M, K, N, bt, split, stages, nwg, bias, per_row in (
             (1, 512, 200, 8, 1, 4, 1, True, True), (5, 2304, 72, 8, 4, 2, 1, False, True),
             (8, 1536, 136, 8, 2, 6, 2, True, False), (9, 256, 40, 16, 1, 4, 1, True, True),
             (17, 2816, 264, 32, 5, 2, 1, False, True), (64, 1536, 200, 64, 4, 4, 2, True, False),
-            (100, 2048, 520, 128, 2, 2, 1, True, True), (130, 3584, 72, 64, 8, 2, 2, False, False)):
+            (100, 2048, 520, 128, 2, 2, 1, True, True), (130, 3584, 72, 64, 8, 2, 2, False, False),
+            (64, 2304, 520, 64, 3, 2, 3, True, True), (20, 1024, 300, 32, 1, 2, 3, False, False),
+            (70, 1536, 600, 128, 2, 2, 3, True, False)):
         q = make_q(N, K, per_row, seed=M + K)
         x = torch.randn(M, K, dtype=dtype, device=DEV)
         b = torch.randn(N, dtype=dtype, device=DEV) if bias else None
@@ -462,7 +464,8 @@ def test_gpu_wgmma_ws_against_float64(dtype, poisoned):
     # the last wave's tiles split (WHOLE), several tiles of x: the tiles before WHOLE equal the unsplit
     # plan's bit for bit, the others the split plan's (same slices, same order)
     for M, K, N, bt, nwg, whole, split, bias in ((100, 1536, 520, 64, 1, 5, 3, True),
-                                                 (130, 2048, 1000, 128, 2, 2, 4, False)):
+                                                 (130, 2048, 1000, 128, 2, 2, 4, False),
+                                                 (64, 1536, 1100, 64, 3, 2, 3, True)):
         q = make_q(N, K, True, seed=M + K)
         x = torch.randn(M, K, dtype=dtype, device=DEV)
         b = torch.randn(N, dtype=dtype, device=DEV) if bias else None
@@ -492,9 +495,10 @@ def test_gpu_wgmma_ws_against_float64(dtype, poisoned):
     # stream-K (STREAM): tiles shared by 7 programs (16 tiles of 14 k-steps, 2 k-steps a program), by two (99
     # tiles of 4, 3 a program), whole tiles in turn and then shared ones (320 tiles: 132 whole, then 188 of 2
     # k-steps, 3 a program), 64-row tiles with one consumer warpgroup and more places than k-steps (48 tiles of
-    # 4 for 264 programs: some take none): every partial summed once, in the same order each call
+    # 4 for 264 programs: some take none), three consumer warpgroups (11 tiles of 14 k-steps, 2 a program; 33
+    # tiles of 4, 1 a program): every partial summed once, in the same order each call
     for M, K, N, bt, nwg in ((200, 3584, 1000, 128, 2), (300, 1024, 4200, 128, 2), (1000, 512, 5000, 128, 2),
-                             (150, 1024, 1000, 64, 1)):
+                             (150, 1024, 1000, 64, 1), (64, 3584, 2000, 64, 3), (300, 1024, 2000, 128, 3)):
         q = make_q(N, K, True, seed=M + N)
         x = torch.randn(M, K, dtype=dtype, device=DEV)
         b = torch.randn(N, dtype=dtype, device=DEV)
@@ -525,10 +529,11 @@ def test_gpu_cuda_graph_and_compile():
 def test_hopper_plans_are_configs_the_sweep_tries(monkeypatch):
     """plan_forward's table on an H200 only ever picks configs that `--tune` times (so each was measured
     and is checked by the GPU tests' kernels), for the Qwen2.5 7B, 14B and 32B layer shapes: the
-    mma at one row, the plain wgmma kernel from 2 to 32 rows, the warp-specialized one from 33 to 256,
-    with k-steps of 256, and its persistent stream-K form for gate/up from 129 to 1536 rows and for down
-    from 257 to 512; down's splits fit in one wave (14B and 32B: 3, not 4; stream-K at 129-256 rows);
-    dequant + cuBLAS for the rest above 256."""
+    mma at one row, the plain wgmma kernel from 2 to 32 rows, the warp-specialized one from 33 to 256
+    (gate/up from 17, with three consumer warpgroups), with k-steps of 256, and its persistent stream-K
+    form for gate/up from 129 to 2048 rows and for down from 257 to 512 (three warpgroups); down's splits
+    fit in one wave (14B and 32B: 3, not 4; stream-K with two warpgroups at 129-256 rows); dequant +
+    cuBLAS for the rest above 256."""
     monkeypatch.setattr(fp4_gemm, "_is_hopper", lambda device: True)
     monkeypatch.setattr(fp4_gemm, "HAS_GLUON", True)
     monkeypatch.setattr(fp4_gemm, "_sm_count", lambda device: 132)
@@ -536,15 +541,15 @@ def test_hopper_plans_are_configs_the_sweep_tries(monkeypatch):
     shapes = [(3584, 4608), (3584, 3584), (3584, 37888), (18944, 3584),  # 7B: K, N of q/k/v, o, gate/up, down
               (5120, 7168), (5120, 5120), (5120, 27648), (13824, 5120),  # 14B
               (5120, 7168), (5120, 5120), (5120, 55296), (27648, 5120)]  # 32B
-    for M in (1, 2, 4, 8, 9, 16, 32, 33, 64, 65, 100, 128, 129, 200, 256, 257, 512, 513, 1024, 1536, 1537, 4096):
+    for M in (1, 2, 4, 8, 9, 16, 17, 32, 33, 64, 65, 100, 128, 129, 200, 256, 257, 512, 513, 1024, 2048, 2049, 4096):
         for K, N in shapes:
             plan = fp4_gemm.plan_forward(M, N, K, torch.bfloat16, cuda)
             assert plan in fp4_gemm._candidates(M, N, K, "fwd"), (M, N, K, plan)
             wide, long = N >= 16384, K >= 8192  # gate/up, down
-            want = ("mma" if M == 1 else "wgmma" if M <= 256 or (wide and M <= 1536) or (long and M <= 512)
+            want = ("mma" if M == 1 else "wgmma" if M <= 256 or (wide and M <= 2048) or (long and M <= 512)
                     else "dequant")
             assert plan["kernel"] == want, (M, N, K, plan)
-            assert ("STAGES" in plan) == (32 < M and want == "wgmma"), (M, N, K, plan)
+            assert ("STAGES" in plan) == ((32 < M or (wide and 16 < M)) and want == "wgmma"), (M, N, K, plan)
             # 7B down's weight tiles split 4 or 2 ways fit in one wave (56 x 4 of 64 rows for 264 places at 33-64
             # rows of x, 28 x 4 or x 2 of 128 for 132 above); 14B's and 32B's (80 or 40) split 3 ways up to 128
             # rows, and at 129-256, where 80 tiles leave no room for 2, share out k-steps
@@ -552,6 +557,9 @@ def test_hopper_plans_are_configs_the_sweep_tries(monkeypatch):
             assert plan.get("PERSIST", False) == plan.get("STREAM", False) == stream, (M, N, K, plan)
             if long and 32 < M <= 128:
                 assert plan["SPLIT_K"] == (4 if N == 3584 else 3), (M, N, K, plan)
+            if "STAGES" in plan:
+                three = (wide and M > 16) or (long and M > 256)
+                assert plan["NWG"] == 3 if three else plan["NWG"] in (1, 2), (M, N, K, plan)
             assert "STAGES" not in plan or plan["BLOCK_K"] == 256
 
 
