@@ -1550,19 +1550,17 @@ def plan_forward(M, N, K, dtype, device, mma=True):
                       GROUP_M=16)
         if K % 256 == 0 and (M > 256 or (M > 128 and N >= 16384)):
             return stream
-        if K % 256 == 0 and 16 < M and N >= 16384:  # gate/up-like layers: three consumer warpgroups, the last
-            # wave's tiles split; at 32 / 33 / 64 / 128 rows of x 41.1 -> 39.4, 47.0 -> 44.3, 47.8 -> 45.7 and
-            # 67.4 -> 64.3 us on the 7B shape (32B at 64: 87.9 -> 85.5; 14B ties), where one or two warpgroups
-            # ran (H200, results/fp4_gemm_h200.md, session 28)
-            plan = dict(kernel="wgmma", BT=bt, BLOCK_K=256, SPLIT_K=1, STAGES=2, NWG=3)
-            return dict(plan, **_last_wave_split(plan, M, N, K, device))
-        if M > 32 and K % 256 == 0:  # warp-specialized, a 2-deep ring: down 13% faster at 64 rows, every
-            # layer 2-15% faster at 128-256 (at 256, q/k/v, o and down ran dequant + cuBLAS before: down 37%
-            # faster); no gain at 32 rows or fewer, where the plain kernel's own prefetch keeps up
+        if K % 256 == 0 and (M > 32 or (M > 16 and N >= 16384)):  # warp-specialized, a 2-deep ring: down 13%
+            # faster at 64 rows, every layer 2-15% faster at 128-256 (at 256, q/k/v, o and down ran dequant +
+            # cuBLAS before: down 37% faster); no gain at 32 rows or fewer, where the plain kernel's own prefetch
+            # keeps up, but for gate/up-like layers on three warpgroups (below)
             split = 1 if N >= 16384 else (4 if M <= 128 else 2) if K >= 8192 else 2 if M <= 64 else 1
-            # two consumer warpgroups (128 weight rows a program) under 128-row tiles of x, except for o_proj's
-            # 3584 x 3584 at 256 rows (one: 18.8 us, two: 19.9 or more)
-            nwg = 2 if bt == 128 and (N > 4096 or K >= 8192) else 1
+            # gate/up-like layers: three consumer warpgroups (192 weight rows a program), unsplit but for the
+            # last wave; at 32 / 33 / 64 / 128 rows of x 41.1 -> 39.4, 47.0 -> 44.3, 47.8 -> 45.7 and 67.4 -> 64.3
+            # us on the 7B shape (32B at 64: 87.9 -> 85.5; 14B ties) against one or two (H200,
+            # results/fp4_gemm_h200.md, session 28). The others: two (128 weight rows) under 128-row tiles of x,
+            # except for o_proj's 3584 x 3584 at 256 rows (one: 18.8 us, two: 19.9 or more)
+            nwg = 3 if N >= 16384 else 2 if bt == 128 and (N > 4096 or K >= 8192) else 1
             plan = dict(kernel="wgmma", BT=bt, BLOCK_K=256, SPLIT_K=split, STAGES=2, NWG=nwg)
             tiles, places = triton.cdiv(N, 64 * nwg) * triton.cdiv(M, bt), _ws_places(plan, device)
             if split > 1 and K >= 8192 and tiles * split > places:  # down-like layers whose
@@ -1613,9 +1611,10 @@ def plan_forward(M, N, K, dtype, device, mma=True):
 def _last_wave_split(plan, M, N, K, device):
     """For an unsplit warp-specialized plan whose tiles fill the GPU more than once but not a whole number
     of times: WHOLE (tiles taken whole, by the full waves) and SPLIT_K for the rest, whose k-steps are
-    shared out over about one wave of programs. Else nothing. Gate/up at 64 rows of x has 592 tiles, two
-    programs an SM: 528 whole in two waves, then 64 split four ways, where the last wave had 64 programs
-    for 264 places (H200, results/fp4_gemm_h200.md, session 22)."""
+    shared out over about one wave of programs. Else nothing. Gate/up at 64 rows of x on one consumer
+    warpgroup has 592 tiles, two programs an SM: 528 whole in two waves, then 64 split four ways, where the
+    last wave had 64 programs for 264 places (H200, results/fp4_gemm_h200.md, session 22); on three (as
+    plan_forward now runs it), 198 tiles: 132 whole, then 66 split two ways."""
     m_tiles, tiles_n = triton.cdiv(M, plan["BT"]), triton.cdiv(N, 64 * plan["NWG"])
     places = _ws_places(plan, device)
     whole = tiles_n * m_tiles // places * places // m_tiles  # weight tiles of the full waves
