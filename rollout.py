@@ -152,6 +152,9 @@ on the second stream, entirely hidden at batch 8 (3.46 ms of kernel time, 0.70 o
 second stream, with their split-K reduces), attention 0.54, the K-order launches 0.17, this file's other
 kernels 0.58. What remains, in order: the fp4 GEMMs at ~2 TB/s instead of ~4 at batch 1 (their compute and
 loads overlap only in part, at the board's power cap; see fp4_gemm.py), and at ~1.3 TB/s at batch 64.
+Session 29's profile (same settings, 256 / 768 columns): batch 64 4.90 / 5.37 ms of kernels, the GEMMs
+2.73 / 2.69, attention 0.54 / 1.07 (2.6 TB/s at 768), which now splits each row's columns as the column
+moves and pipelines as deep as lets its grid fit in one wave (_attn_stages).
 
 Departures. vLLM (which the official QeRL code uses) pages its KV cache and batches continuously;
 here a batch is static and every row shares the cache's column index (left padding), which keeps the
@@ -448,12 +451,13 @@ def _attn_part(q_ptr, kc_ptr, vc_ptr, m_ptr, l_ptr, acc_ptr, qrow, qm, base, lo,
 @_jit
 def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, pad_ptr, done_ptr, counters_ptr, shared_ptr, m_ptr, l_ptr, acc_ptr,
                          sm_scale, S, Hkv, STRIDE, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                         CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, N_GROUP: tl.constexpr, ROWS: tl.constexpr,
-                         Q_PAD: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
-    """Program (row b, kv head h, chunk c of C): online softmax of the G query heads of h over the cache
-    columns [max(c·CHUNK, pad_b, shared), min((c+1)·CHUNK, col + 1)); writes its partial max, sum and
-    weighted values to slot c of each query head. Columns past the current one are never read; a
-    finished row reads nothing.
+                         BLOCK_N: tl.constexpr, N_GROUP: tl.constexpr, ROWS: tl.constexpr, Q_PAD: tl.constexpr,
+                         PREC: tl.constexpr, PDL: tl.constexpr):
+    """Program (row b, kv head h, chunk c of C): online softmax of the G query heads of h over chunk c of
+    the row's own cache columns [start, col] (start = max(pad_b, shared), C chunks of whole blocks of
+    BLOCK_N, as even as that allows: they follow the current column, so every program has work from
+    the first step to the last); writes its partial max, sum and weighted values to slot c of each
+    query head. Columns past the current one are never read; a finished row reads nothing.
 
     The N_GROUP rows of a group (the samples of one prompt; N_GROUP = 1: no groups) hold the same prompt
     in columns [pad, shared). Those are read from the group's first row, once for every ROWS rows: the
@@ -477,8 +481,11 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, pad_ptr, done_ptr, counters_ptr,
             _attn_part(q_ptr, kc_ptr, vc_ptr, m_ptr, l_ptr, acc_ptr, qrow, ok, (first * Hkv + h).to(tl.int64) * S * D,
                        pad + split * per, tl.minimum(pad + split * per + per, shared),
                        qrow * STRIDE + tl.num_programs(1) + split, sm_scale, Q_PAD, D, BLOCK_N, PREC)
-    lo = tl.maximum(tl.maximum(split * CHUNK, tl.load(pad_ptr + b)), shared)
-    hi = tl.minimum(split * CHUNK + CHUNK, tl.load(counters_ptr) + 1)
+    start = tl.maximum(tl.load(pad_ptr + b), shared)
+    end = tl.load(counters_ptr) + 1
+    per = tl.cdiv(tl.cdiv(end - start, tl.num_programs(1)), BLOCK_N) * BLOCK_N
+    lo = start + split * per
+    hi = tl.minimum(lo + per, end)
     hi = tl.where(tl.load(done_ptr + b) != 0, lo, hi)
     g = tl.arange(0, G_PAD)
     qrow = b * (Hkv * G) + h * G + g  # (G_PAD,) rows of q (M·Hq, D)
@@ -676,6 +683,21 @@ def _pow2(x):
     return 1 << max(0, math.ceil(math.log2(max(1, x))))
 
 
+def _attn_stages(programs, sms, D, itemsize):
+    """num_stages of _attn_partial_kernel: the deepest software pipeline (4, 3 or 2) under which all its
+    `programs` fit on the GPU at once. Triton keeps stages - 1 blocks of 64 columns of K and of V in
+    shared memory, plus ~6 KB (the compiled kernel: 38, 70 and 102 KB at 2, 3 and 4 stages, D = 128,
+    bf16), and an SM has 228 KB: 5, 3 or 2 programs an SM. A deeper pipeline keeps more of a program's
+    loads in flight, but a grid that no longer fits runs a second wave, which costs more (7B shape,
+    28 layers' attention a step, 768 cache columns: 64 rows 1020 -> 920 us at 2 stages instead of 3,
+    128 rows 1814 -> 1629; 8 rows 292 -> 275 at 4; results/rollout_h200.md, session 29)."""
+    block = 2 * 64 * D * itemsize  # a block of K and one of V
+    for stages in (4, 3, 2):
+        if programs <= sms * (228 * 1024 // ((stages - 1) * block + 8 * 1024)):
+            return stages
+    return 2
+
+
 class _Group:
     """Linears that read the same input (q|k|v, gate|up, o, down): one GEMM over their stacked base
     weights, and their LoRA adapters side by side: a = x @ A^T (M, sections·R), then output rows of
@@ -802,12 +824,12 @@ class _State:
             self.stops = torch.full((16,), -1, **i64)
             pos = torch.arange(S, device=dev)[:, None].float() * dec.model.inv_freq[None]  # (S, D/2), as rope_cos_sin
             self.cos, self.sin = pos.cos().to(dt), pos.sin().to(dt)
-        # attention split: about 2 programs per SM, chunks a multiple of 64 columns (against 4 an SM, 513
+        # attention split: about 2 programs per SM, at most one per 64 columns (against 4 an SM, 513
         # columns present, us a layer: 25.0-25.4 against 29.3-29.5 at 64 rows, 7.8-8.5 against 8.5 at 8,
-        # within 0.4 at 1 and 16; 2 stages, 8 warps and 128-column blocks did not pay: session 13,
-        # results/rollout_h200.md)
-        self.attn_chunk = 64 * math.ceil(S / max(1, math.ceil(2 * dec.sms / (N * Hkv))) / 64)
-        self.attn_split = math.ceil(S / self.attn_chunk)
+        # within 0.4 at 1 and 16: session 13, results/rollout_h200.md); its software pipeline as deep as
+        # lets the whole grid stay resident (_attn_stages)
+        self.attn_split = min(max(1, math.ceil(2 * dec.sms / (N * Hkv))), math.ceil(S / 64))
+        self.attn_stages = _attn_stages(N * Hkv * self.attn_split, dec.sms, D, dt.itemsize)
         # the prompt that the n rows of a group share: columns [pad, shared) of each row (shared = 0: none),
         # read for several rows at once, its slices into slots attn_split ... 2·attn_split - 1
         # (_attn_partial_kernel)
@@ -1012,8 +1034,8 @@ class Decoder:
             _attn_partial_kernel[(M * Hkv, st.attn_split)](
                 q, st.k[layer], st.v[layer], st.pad, st.done, st.counters, st.shared, st.attn_m, st.attn_l,
                 st.attn_acc, 1.0 / math.sqrt(D), st.S, Hkv, st.attn_m.shape[1], G=G, G_PAD=max(16, _pow2(G)), D=D,
-                CHUNK=st.attn_chunk, BLOCK_N=64, N_GROUP=st.n, ROWS=rows, Q_PAD=max(16, _pow2(rows * G)),
-                PREC=self.prec, num_warps=4, **self.pdl)
+                BLOCK_N=64, N_GROUP=st.n, ROWS=rows, Q_PAD=max(16, _pow2(rows * G)), PREC=self.prec, num_warps=4,
+                num_stages=st.attn_stages, **self.pdl)
             slots = st.attn_split * (2 if st.n > 1 else 1)
             out = _output(M, Hq * D, order, q)
             k_step = order[0]

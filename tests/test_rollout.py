@@ -130,6 +130,30 @@ def test_triton_kernels_match_torch_path_sampling(hf_folder):
     assert torch.allclose(a.logprobs, b.logprobs, atol=1e-4)
 
 
+@interpreted
+def test_attention_chunks_follow_the_current_column(hf_folder):
+    """The decode attention splits each row's columns [pad, col] into chunks as the column moves: a
+    long prompt next to a short (left-padded) one, chunks of 64 columns, more than the row has (some
+    empty); the kernels' rollout is the torch path's (SDPA over the whole row)."""
+    _, model = load(hf_folder, seed=8)
+    prompts = prompts_of([127, 3], 97, seed=8)
+    kw = dict(max_new_tokens=6, temperature=0.0)
+    a = rollout.generate(model, prompts, kernels="torch", **kw)
+    b = rollout.generate(model, prompts, kernels="triton", **kw)
+    st = next(iter(model.__dict__["_rollout_decoder"].states.values()))
+    assert st.attn_split > 127 // 64 + 1
+    assert torch.equal(a.tokens, b.tokens)
+    assert torch.allclose(a.logprobs, b.logprobs, atol=1e-4)
+
+
+def test_attention_pipeline_fits_its_grid_in_one_wave():
+    """4 stages while every program fits at 2 an SM, 3 at 3 an SM, else 2 (D = 128, bf16: 102, 70 and
+    38 KB of shared memory a program); fp32 blocks take twice the room."""
+    stages = [rollout._attn_stages(p, 132, 128, 2) for p in (1, 264, 265, 396, 397, 10_000)]
+    assert stages == [4, 4, 3, 3, 2, 2]
+    assert rollout._attn_stages(264, 132, 128, 4) == 2
+
+
 def test_seeds_reproduce_and_differ(hf_folder):
     _, model = load(hf_folder, seed=6)
     prompts = prompts_of([3, 8], 97, seed=5)
