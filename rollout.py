@@ -154,7 +154,7 @@ kernels 0.58. What remains, in order: the fp4 GEMMs at ~2 TB/s instead of ~4 at 
 loads overlap only in part, at the board's power cap; see fp4_gemm.py), and at ~1.3 TB/s at batch 64.
 Session 29's profile (same settings, 256 / 768 columns): batch 64 4.90 / 5.37 ms of kernels, the GEMMs
 2.73 / 2.69, attention 0.54 / 1.07 (2.6 TB/s at 768), which now splits each row's columns as the column
-moves and pipelines as deep as lets its grid fit in one wave (_attn_stages).
+moves and pipelines as deep as lets its grid fit in one wave (_attn_grid).
 
 Departures. vLLM (which the official QeRL code uses) pages its KV cache and batches continuously;
 here a batch is static and every row shares the cache's column index (left padding), which keeps the
@@ -683,19 +683,29 @@ def _pow2(x):
     return 1 << max(0, math.ceil(math.log2(max(1, x))))
 
 
-def _attn_stages(programs, sms, D, itemsize):
-    """num_stages of _attn_partial_kernel: the deepest software pipeline (4, 3 or 2) under which all its
-    `programs` fit on the GPU at once. Triton keeps stages - 1 blocks of 64 columns of K and of V in
-    shared memory, plus ~6 KB (the compiled kernel: 38, 70 and 102 KB at 2, 3 and 4 stages, D = 128,
-    bf16), and an SM has 228 KB: 5, 3 or 2 programs an SM. A deeper pipeline keeps more of a program's
-    loads in flight, but a grid that no longer fits runs a second wave, which costs more (7B shape,
-    28 layers' attention a step, 768 cache columns: 64 rows 1020 -> 920 us at 2 stages instead of 3,
-    128 rows 1814 -> 1629; 8 rows 292 -> 275 at 4; results/rollout_h200.md, session 29)."""
-    block = 2 * 64 * D * itemsize  # a block of K and one of V
-    for stages in (4, 3, 2):
-        if programs <= sms * (228 * 1024 // ((stages - 1) * block + 8 * 1024)):
-            return stages
-    return 2
+def _attn_per_sm(stages, D, itemsize):
+    """Programs of _attn_partial_kernel an SM holds at `stages` pipeline stages: Triton keeps stages - 1
+    blocks of 64 columns of K and of V in shared memory, plus ~6 KB (the compiled kernel: 38, 70 and
+    102 KB at 2, 3 and 4 stages, D = 128, bf16), and an SM has 228 KB: 5, 3 or 2 programs."""
+    return 228 * 1024 // ((stages - 1) * 2 * 64 * D * itemsize + 8 * 1024)
+
+
+def _attn_grid(pairs, S, sms, D, itemsize):
+    """(split, num_stages) of _attn_partial_kernel for `pairs` (row, kv head) programs of a split each
+    over at most S columns. The split: about 2 programs an SM, at most one per 64 columns (against 4 an
+    SM, us a layer at 513 columns: 25.0-25.4 against 29.3-29.5 at 64 rows; session 13). Then the
+    deepest pipeline (4, 3 or 2 stages) under which the whole grid fits on the GPU at once: a deeper
+    one keeps more loads in flight, but a grid that does not fit runs a second wave, which costs more
+    (28 layers' attention, 768 columns: 64 rows 1020 -> 920 us at 2 stages instead of 3, 128 rows
+    1814 -> 1629; results/rollout_h200.md, session 29). Where a split of 2 or more still fits at 4
+    stages it is cut to what fits (32 rows: 2 chunks a pair instead of 3, 605 -> 557 us there): the
+    decode step at 32 rows 3.61 -> 3.56 ms; 8 and 16 rows within the noise (session 30)."""
+    split = min(max(1, math.ceil(2 * sms / pairs)), math.ceil(S / 64))
+    fits = sms * _attn_per_sm(4, D, itemsize) // pairs
+    if fits >= 2:
+        split = min(split, fits)
+    stages = next((s for s in (4, 3) if pairs * split <= sms * _attn_per_sm(s, D, itemsize)), 2)
+    return split, stages
 
 
 class _Group:
@@ -824,12 +834,7 @@ class _State:
             self.stops = torch.full((16,), -1, **i64)
             pos = torch.arange(S, device=dev)[:, None].float() * dec.model.inv_freq[None]  # (S, D/2), as rope_cos_sin
             self.cos, self.sin = pos.cos().to(dt), pos.sin().to(dt)
-        # attention split: about 2 programs per SM, at most one per 64 columns (against 4 an SM, 513
-        # columns present, us a layer: 25.0-25.4 against 29.3-29.5 at 64 rows, 7.8-8.5 against 8.5 at 8,
-        # within 0.4 at 1 and 16: session 13, results/rollout_h200.md); its software pipeline as deep as
-        # lets the whole grid stay resident (_attn_stages)
-        self.attn_split = min(max(1, math.ceil(2 * dec.sms / (N * Hkv))), math.ceil(S / 64))
-        self.attn_stages = _attn_stages(N * Hkv * self.attn_split, dec.sms, D, dt.itemsize)
+        self.attn_split, self.attn_stages = _attn_grid(N * Hkv, S, dec.sms, D, dt.itemsize)
         # the prompt that the n rows of a group share: columns [pad, shared) of each row (shared = 0: none),
         # read for several rows at once, its slices into slots attn_split ... 2·attn_split - 1
         # (_attn_partial_kernel)
@@ -1113,9 +1118,10 @@ class Decoder:
         if not grp.R:
             return y
         if self.triton:
-            M, N = y.shape
-            _lora_b_kernel[(triton.cdiv(M, 16), triton.cdiv(N, 128))](y, a, grp.B, M, N, a.shape[1], R=grp.R, BM=16,
-                                                                      BN=128, PREC=self.prec, num_warps=4, **self.pdl)
+            M, N = y.shape  # tiles of 16 x 64: at 64 rows of 3584 columns 224 programs, not 112 for 132 SMs
+            # (the 64-row step 4.085 -> 4.050 ms, session 30)
+            _lora_b_kernel[(triton.cdiv(M, 16), triton.cdiv(N, 64))](y, a, grp.B, M, N, a.shape[1], R=grp.R, BM=16,
+                                                                     BN=64, PREC=self.prec, num_warps=4, **self.pdl)
             return y
         return torch.addmm(y, a, grp.B.t())
 

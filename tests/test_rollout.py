@@ -146,12 +146,19 @@ def test_attention_chunks_follow_the_current_column(hf_folder):
     assert torch.allclose(a.logprobs, b.logprobs, atol=1e-4)
 
 
-def test_attention_pipeline_fits_its_grid_in_one_wave():
-    """4 stages while every program fits at 2 an SM, 3 at 3 an SM, else 2 (D = 128, bf16: 102, 70 and
-    38 KB of shared memory a program); fp32 blocks take twice the room."""
-    stages = [rollout._attn_stages(p, 132, 128, 2) for p in (1, 264, 265, 396, 397, 10_000)]
-    assert stages == [4, 4, 3, 3, 2, 2]
-    assert rollout._attn_stages(264, 132, 128, 4) == 2
+def test_attention_grid_fits_in_one_wave():
+    """D = 128 on 132 SMs: a program holds 102, 70 or 38 KB of shared memory at 4, 3 or 2 stages in bf16,
+    so 2, 3 or 5 fit an SM (fp32 blocks take twice the room). The split: about 2 programs an SM, at most
+    one per 64 columns, cut to what fits at 4 stages where 2 or more chunks a pair still do; then the
+    deepest pipeline under which the whole grid fits."""
+    assert [rollout._attn_per_sm(s, 128, 2) for s in (4, 3, 2)] == [2, 3, 5]
+    assert [rollout._attn_per_sm(s, 128, 4) for s in (4, 3, 2)] == [1, 1, 3]
+    grid = lambda rows, S=768: rollout._attn_grid(rows * 4, S, 132, 128, 2)  # 4 kv heads a row
+    assert grid(1) == (12, 4) and grid(1, 100) == (2, 4)  # one chunk per 64 columns at most
+    assert grid(8) == (8, 4)  # 9 chunks for 2 an SM, cut to the 8 that fit at 4 stages
+    assert grid(16) == (4, 4) and grid(32) == (2, 4)
+    assert grid(64) == (2, 2)  # a cut to 1 chunk is not made; 512 programs fit only at 2 stages
+    assert grid(99) == (1, 3) and grid(100) == (1, 2) and grid(1000) == (1, 2)
 
 
 def test_seeds_reproduce_and_differ(hf_folder):
