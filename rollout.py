@@ -449,6 +449,15 @@ def _attn_part(q_ptr, kc_ptr, vc_ptr, m_ptr, l_ptr, acc_ptr, qrow, qm, base, lo,
 
 
 @_jit
+def _attn_chunk(start, end, split, BLOCK_N: tl.constexpr):
+    """Columns [lo, hi) of chunk `split` of num_programs(1) over [start, end): whole blocks of BLOCK_N,
+    as even as that allows (the last chunks may be short or empty)."""
+    per = tl.cdiv(tl.cdiv(end - start, tl.num_programs(1)), BLOCK_N) * BLOCK_N
+    lo = start + split * per
+    return lo, tl.minimum(lo + per, end)
+
+
+@_jit
 def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, pad_ptr, done_ptr, counters_ptr, shared_ptr, m_ptr, l_ptr, acc_ptr,
                          sm_scale, S, Hkv, STRIDE, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                          BLOCK_N: tl.constexpr, N_GROUP: tl.constexpr, ROWS: tl.constexpr, Q_PAD: tl.constexpr,
@@ -473,19 +482,14 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, pad_ptr, done_ptr, counters_ptr,
         if (b % N_GROUP) % ROWS == 0:
             first = b - b % N_GROUP
             pad = tl.load(pad_ptr + first)
-            per = tl.cdiv(tl.cdiv(shared - pad, tl.num_programs(1)), BLOCK_N) * BLOCK_N
+            lo, hi = _attn_chunk(pad, shared, split, BLOCK_N)
             j = tl.arange(0, Q_PAD)
             i = j // G  # (row b + i, query head h·G + j % G)
             qrow = (b + i) * (Hkv * G) + h * G + j % G
             ok = (j < ROWS * G) & (b % N_GROUP + i < N_GROUP)
             _attn_part(q_ptr, kc_ptr, vc_ptr, m_ptr, l_ptr, acc_ptr, qrow, ok, (first * Hkv + h).to(tl.int64) * S * D,
-                       pad + split * per, tl.minimum(pad + split * per + per, shared),
-                       qrow * STRIDE + tl.num_programs(1) + split, sm_scale, Q_PAD, D, BLOCK_N, PREC)
-    start = tl.maximum(tl.load(pad_ptr + b), shared)
-    end = tl.load(counters_ptr) + 1
-    per = tl.cdiv(tl.cdiv(end - start, tl.num_programs(1)), BLOCK_N) * BLOCK_N
-    lo = start + split * per
-    hi = tl.minimum(lo + per, end)
+                       lo, hi, qrow * STRIDE + tl.num_programs(1) + split, sm_scale, Q_PAD, D, BLOCK_N, PREC)
+    lo, hi = _attn_chunk(tl.maximum(tl.load(pad_ptr + b), shared), tl.load(counters_ptr) + 1, split, BLOCK_N)
     hi = tl.where(tl.load(done_ptr + b) != 0, lo, hi)
     g = tl.arange(0, G_PAD)
     qrow = b * (Hkv * G) + h * G + g  # (G_PAD,) rows of q (M·Hq, D)
