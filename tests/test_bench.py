@@ -11,10 +11,10 @@ def test_rl_step_runs_and_moves_lora_on_both_bases():
     cfg = M.Config({**M.qwen25_config("0.5b").raw, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 96})
     a = bench.parse_args("--prompts 2 --group-size 3 --prompt-len 5 --new-tokens 6 --steps 1 --lora-rank 4 "
-                         "--micro-batch 4".split())
+                         "--micro-batch 4 --decode-batch1".split())
     for mode in ("bf16", "nvfp4"):
         r = bench.run_mode(a, mode, torch.device("cpu"), cfg)
-        assert r["mode"] == mode and r["rollout_tok_s"] > 0 and r["update_tok_s"] > 0
+        assert r["mode"] == mode and r["rollout_tok_s"] > 0 and r["update_tok_s"] > 0 and r["batch1_tok_s"] > 0
         assert r["step_s"] >= r["rollout_s"] and r["grad_norm"] > 0  # the update really had a gradient
 
 
