@@ -128,7 +128,7 @@ def run_mode(a, mode, device, cfg):
     if a.decode_batch1:
         with torch.no_grad():
             # the warm-up at the timed call's shape, whose graphs it captures (a shorter one made another state,
-            # and the timed call captured its own: 32B 105 tok/s against rollout.py --bench's 119, session 31)
+            # and the timed call captured its own: 32B 104.6 -> 118.4 tok/s, session 31)
             rollout.generate(model, prompts[:1], n=1, max_new_tokens=a.new_tokens, stop_ids=(), seed=0)
             sync(device)
             t0 = time.time()
