@@ -690,7 +690,8 @@ def _pow2(x):
 def _attn_per_sm(stages, D, itemsize):
     """Programs of _attn_partial_kernel an SM holds at `stages` pipeline stages: Triton keeps stages - 1
     blocks of 64 columns of K and of V in shared memory, plus ~6 KB (the compiled kernel: 38, 70 and
-    102 KB at 2, 3 and 4 stages, D = 128, bf16), and an SM has 228 KB: 5, 3 or 2 programs."""
+    102 KB at 2, 3 and 4 stages, D = 128, bf16; triton 3.6 on the H200, sessions 29 and 33, with 90-93
+    registers a thread), and an SM has 228 KB: 5, 3 or 2 programs."""
     return 228 * 1024 // ((stages - 1) * 2 * 64 * D * itemsize + 8 * 1024)
 
 
