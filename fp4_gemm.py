@@ -24,131 +24,80 @@ Decoding in registers, without tables. Both formats are tiny floats, so bit move
   11..9) reads as e2m1 * 2^-14; into bf16's (bits 8..6) as e2m1 * 2^-126. The code with e = 0
   (value 0.5) becomes a subnormal, which is exactly right. The missing power of two is folded into
   the block scale.
-On the GPU this is PTX on 32-bit registers (two values per instruction): for the mma and wgmma
-kernels, a mask keeps one code per 16-bit half, one integer multiply copies it to two places at once
-(e e m under bf16's exponent, the sign to bit 15) and a second mask keeps those bits (2 ALU
-instructions and one multiply on the FMA pipe), then one `mul.bf16x2` by the block scale; for the
-GEMV, 13 integer instructions turn a word of 8 codes into 4 float16 pairs ((h | h >> 3) & 0x8E008E00
-with the high nibbles isolated in h); for the tiles, `prmt` + masks + one `mul.bf16x2`. At decode
-speed an SM has only a few issue slots per weight (the integer ones at half rate), so the decode must
-stay short. Under the Triton interpreter (CPU) the same numbers come from plain Triton integer ops;
-GPU tests check that both decodes agree bit for bit, and the CPU tests also run every PTX block
-through a small warp-wide emulator of the instructions it uses (tests/test_fp4_gemm.py).
+On the GPU this is PTX on 32-bit registers, two values an instruction. For the mma and wgmma kernels:
+a mask keeps one code per 16-bit half, one integer multiply copies it to two places at once (e e m
+under bf16's exponent, the sign to bit 15), a second mask keeps those bits, and one `mul.bf16x2`
+applies the block scale. The GEMV turns a word of 8 codes into 4 float16 pairs in 13 integer
+instructions; the tiles use `prmt` + masks + one `mul.bf16x2`. At decode speed an SM has only a few
+issue slots per weight, so the decode must stay short. Under the Triton interpreter (CPU) the same
+numbers come from plain Triton integer ops; GPU tests check that both decodes agree bit for bit, and
+the CPU tests run every PTX block through a small warp-wide emulator of the instructions it uses.
 
-Kernels, chosen per shape by `plan_forward` / `plan_dx`, a small table read off
-`python fp4_gemm.py --bench/--tune` on an H200 (results/fp4_gemm_h200.md has the measured table):
-- mma (M = 1 on Hopper, M <= 8 elsewhere; 16-bit x, K a multiple of 64): tensor cores for a GEMV, as
-  Marlin does. The weight is the MMA's left operand (16 rows x 16 k), x the right one (k x 8 tokens,
-  zeros beyond M). mma.sync keeps its operands in registers spread over a warp in a fixed pattern, and
-  which physical k a column stands for is free as long as both operands agree: so each lane loads
-  16-byte pieces of its own two weight rows, decodes them in one PTX block (bit moves + one bf16x2/f16x2
-  multiply by the block scale: exact e2m1 * s * 2^-8) and feeds them to mma.sync together with x loaded
-  at the same k, with no data crossing lanes and fp32 accumulation. Triton lays a (lane, tile, 4 words)
-  load out one lane per index, which is what makes this expressible; the interpreter runs a plain-Triton
-  model of the PTX block (the exchange between lanes written as reshapes), and a GPU test checks the two
-  agree. Split-K programs leave fp32 partials and the last one to finish a tile (an atomic ticket) sums
-  them in order: deterministic, and no second launch. 1.7-2.5x cuBLAS bf16 at M = 1 (gate/up 2.39 TB/s),
-  1.4-2.0x at M = 8, where the wide layers give each warp two row tiles (the x a lane loads serves
-  both). What bounds it (Nsight Compute, and the experiments in results/fp4_gemm_h200.md): at M = 1, for
-  gate/up, its compute alone takes 18 us and its loads alone 24, and the two overlap only in part (32
-  us). Neither side alone moves it: a repacked layout with a quarter fewer ALU instructions, or half the
-  loop's instructions removed, gained 0-6% (sessions 3, 14); loads issued earlier (into registers, which
-  ptxas schedules late anyway, into L2, or through a shared-memory ring) lost (sessions 3, 14); nor is
-  it the access pattern (a kernel that only reads gate/up's codes 64 rows x 128-512 bytes a step, as the
-  decode kernels do, took 16.4-20.6 us, 3.3-4.1 TB/s, session 13). It draws 694 W, at the board's power
-  cap, so a faster kernel must do less work a weight. At M = 8 the L1 traffic of x (each lane reads
-  16-byte pieces of x 128 bytes apart; a repacked layout, or lanes holding interleaved k, make those
-  reads contiguous, but the first needs every other kernel to read it too and the second costs M = 1 a
-  sixth: both measured and dropped). More rows of x per program (decoded weights reused by 2-8 groups of
-  8 tokens) lost to the tiled kernel from 32 rows on: every warp reads all of x itself, with no shared
-  memory to share it (the wgmma kernel below shares it).
-- gemv (M = 1 with fp32 x): a program owns 8 weight rows and walks K in steps of 512 with 16-byte
-  loads of packed codes, multiply-adding in fp32; optional split-K with a reduce kernel.
-- wgmma (2 <= M <= 256 on Hopper; Gluon, 16-bit x): the mma kernel's idea on Hopper's warpgroup MMA. A
-  warpgroup owns 64 weight rows and 16 to 128 rows of x; x sits in shared memory once per program (put
-  in the K order that each lane decodes by a small Triton kernel first, `k_ordered`), the decoded
-  weights are wgmma's left operand straight from registers (no shared-memory round trip), the next
-  k-step's x copies (cp.async) and codes load while this one decodes, and inside a step the MMA of each
-  64-k slice runs while the next slice decodes. At M = 16 2.45x / 2.20x cuBLAS for gate/up / down and
-  1.34x / 1.54x for q/k/v / o. From 2 rows it beats the mma kernel on the wide layers, whose 8-row tile
-  re-reads x from L1 (session 13): gate/up 32.4 against 34.2 us at 4 rows, 32.7 against 40.2 at 8; down
-  19.7 against 21.0 at 4 and 19.9 against 25.7 at 8; q/k/v and o lose 0.7-0.8 us at 4 rows and win
-  0.2-0.8 at 8. In the rollout (where the mma launch also carries the LoRA A products) batch 2 ties,
-  batch 4 gains 5% a step and batch 8 18% (3.43 -> 2.82 ms). At 16 rows Nsight Compute puts the
-  block-wide barriers of each k-step first among the stalls, yet a third x buffer that removes one of
-  them gained 0-4% there and lost up to 14% at 64-128 rows; prefetching two k-steps ahead, two row tiles
-  a warpgroup (x read half as often), two or four warpgroups a program, tiles of 256 rows of x, the
-  codes through a cp.async ring in shared memory and the loop unrolled by two all measured slower or no
-  faster (results/fp4_gemm_h200.md). At 64 rows its three bounds (tensor cores, issue slots, DRAM) are
-  each ~18 us for gate/up and it took ~51: they overlap poorly within a warpgroup. So from 33 rows a
-  warp-specialized variant runs: one producer warp fills a 2-deep ring of shared-memory stages by TMA
-  and the warpgroups only decode and multiply. It took down at 64 rows from 33.1 to 28.7 us, and at
-  128-256 rows it is 2-15% faster than the plain kernel (down at 256: 37% faster than dequant + cuBLAS).
-  Where a layer's tiles fill the GPU more than once but leave a partial last wave (gate/up), only the
-  tiles left over are split K-wise, over about one more wave (plan WHOLE): gate/up 9-11% faster at 33-128
-  rows. At M = 64 1.74x / 1.61x cuBLAS for gate/up / down and 1.02x / 0.92x for q/k/v / o; at M = 256
-  0.86x / 0.84x and 0.66x / 0.74x (session 22); at M = 128, before the last wave's split (which took
-  gate/up there from 75 to 67 us), 1.09x / 1.18x and 0.69x / 0.75x. At 1-32 rows it ties or loses,
-  also with 8-row tiles and 4-6 stages (the plain kernel's own prefetch keeps up; at one row the mma
-  kernel takes 7-26% less time, at 4-8 rows the plain kernel 1-8%).
-  Gate/up-like layers (N >= 16384) run it from 17 rows with three consumer warpgroups (192 weight rows
-  a program): at 64 rows Nsight Compute finds the two-warpgroup plans bound by nothing in particular
-  (DRAM 29%, L2 40%, 0.42 instructions issued a cycle per scheduler: latency), one warpgroup an SM
-  takes 1.4x as long, three take 4% less than two, four (spilling at 112 registers) no less (session 28).
-  Its persistent form (PERSIST: one program an SM walking tiles in groups of 16 tiles of x, one ring for
-  all, so the next tile loads while the last one is stored; session 26) with stream-K (STREAM: the last
-  one or two waves shared out as equal runs of k-steps, session 27) runs for gate/up-like layers at
-  129-2048 rows and down-like ones (K >= 8192) at 257-512, both with three warpgroups, and where a
-  down-like layer's splits would not fit one wave: 0.85-1.00x cuBLAS for gate/up at 256-2048 rows on
-  the 7B, 14B and 32B shapes (two warpgroups: 0.79-0.88x), 0.76-0.81x for down at 384-512 (dequant +
-  cuBLAS: 0.62-0.67x); on q/k/v and o, and from 3072 rows (gate/up) or 768 (down), it ties or loses.
-  A caller whose own kernel produces x can store it in the K order itself and skip that launch
-  (x_k_order, k_ordered_tile, fp4_linear_k_ordered: rollout's decode step from 33 rows).
-  Gluon has no interpreter: on CPU the tests run its PTX on the emulator and check the K order
-  against it; on a Hopper GPU they check the kernel against float64.
-- tiled (2 <= M <= 128 where mma and wgmma do not serve: GPUs other than Hopper, or K not a multiple
-  of 128): fused dequantize + tl.dot tiles (BM = 16, 32 or 64), grouped tile order so a weight tile is
-  read from HBM once, split-K (up to 8) where the tiles are few. On the H200 0.9-1.2x cuBLAS for q/k/v
-  and o at M = 16, 0.7x at M = 64: the decode and the layout shuffle Triton adds before the MMA cost
-  more issue slots than the bytes saved.
-- dequant + cuBLAS (M > 256 on Hopper, but for the wide layers' 257-2048 rows and the long-K ones'
-  257-512; M > 128 elsewhere; fp32 inputs): a Triton kernel writes this one layer's weight in x's dtype, bit-identical to
-  nvfp4.dequantize (same float32 arithmetic), and cuBLAS multiplies; the copy dies right after.
-  0.73-0.81x cuBLAS at M = 1024, 0.75-0.95x at M = 4096 (the spread of four runs): the cost is
-  writing the bf16 weight (gate/up's dequantization takes 100 us; cuBLAS then runs as on a bf16 weight).
-- A side product riding along (rollout's LoRA A's, `fp4_linear_side`): extra programs of the mma launch
-  compute x @ A^T for a small bf16 A, split over K with the same ticketed sum, so decode pays one launch
-  a projection instead of two (`small_linear` is the same product as a launch of its own, which serves
-  every other kernel). rollout.py uses the mma launch's where the plan runs mma (one row on Hopper, up
-  to 8 elsewhere) and otherwise cuBLAS on a second stream beside the GEMM. (Until session 10 the side's
-  programs also rode in the launch that puts x in the wgmma kernel's K order; the second stream measured
-  8-10% faster a decode step at 32 and 64 rows, and that variant was removed.)
-- dX backward (dY @ W): dequant + cuBLAS for M > 128 (0.82-0.97x at M = 4096), the tiled kernel
-  transposed (same tile decoder) below. Either way at most one layer's dequantized weight is alive,
-  never a bf16 copy of the model.
+The kernels. `plan_forward` / `plan_dx` pick one per shape from a small fixed table, read off
+`python fp4_gemm.py --bench/--tune` on an H200 (Qwen2.5 shapes; results/fp4_gemm_h200.md holds every
+measurement and every variant tried and dropped). The ratios are to cuBLAS bf16 on the same shape.
 
-The op is registered as `torch.ops.qerl.fp4_linear` (torch.library.custom_op, with a fake
-implementation and autograd for dX), so torch.compile treats a layer as one opaque call and CUDA
-graphs can capture it: no host syncs, no data-dependent allocations, configs fixed per shape (no
-autotuning at run time). Compile (warm up) each shape once before capturing a graph.
+- mma: one row of x on Hopper, up to 8 elsewhere (16-bit x, K a multiple of 64). Tensor cores for a
+  GEMV, as Marlin does: the weight is mma.sync's left operand (16 rows x 16 k), x the right one (k x 8
+  tokens, zeros beyond M). Which physical k an MMA column stands for is free as long as both operands
+  agree, so each lane loads 16-byte pieces of its own two weight rows, decodes them and feeds them to
+  mma.sync with x loaded at the same k: no data crosses lanes (Triton lays a (lane, tile, 4 words)
+  load out one lane per index, which is what makes this expressible). Split-K programs leave fp32 partials,
+  and the last one to finish a tile (an atomic ticket) sums them in order: deterministic, one launch.
+  1.7-2.5x cuBLAS at one row (gate/up at 2.4 TB/s).
+- gemv: one row of fp32 x. A program owns 8 weight rows and walks K with 16-byte loads, in fp32.
+- wgmma (Gluon, Hopper, 2-256 rows; wide and long-K layers further): the same idea on the warpgroup
+  MMA. A warpgroup owns 64 weight rows; x sits in shared memory once per program, in the K order each
+  lane decodes (`k_ordered`); the decoded weights are wgmma's left operand straight from registers;
+  each 64-k slice multiplies while the next one decodes, and the next k-step loads meanwhile. From 33
+  rows (17 for gate/up-like layers) it is warp-specialized: a producer warp fills a ring of
+  shared-memory stages by TMA and two or three consumer warpgroups only decode and multiply. For
+  gate/up-like layers at 129-2048 rows and down-like ones at 257-512 it is persistent (one program an
+  SM walking the tiles) with stream-K (the last waves' k-steps shared out evenly). Where a layer's
+  tiles leave a partial last wave, only those tiles split K. 1.4-2.6x cuBLAS at 4-16 rows; at 64 rows
+  1.8x / 1.6x for gate/up / down, 1.0x / 0.9x for q/k/v / o; 0.85-1.0x for gate/up at 256-2048.
+- tiled (2-128 rows where mma and wgmma do not serve: GPUs other than Hopper, K not a multiple of
+  128): fused dequantize + tl.dot tiles, grouped tile order so that a weight tile is read from HBM
+  once, split-K where the tiles are few.
+- dequant + cuBLAS (the remaining large M, and fp32 x): a Triton kernel writes this one layer's
+  weight in x's dtype, bit-identical to nvfp4.dequantize, cuBLAS multiplies, and the copy dies at
+  once. Writing that weight is the cost: 0.73-0.81x cuBLAS at 1024 rows, 0.75-0.95x at 4096.
+- dX backward (dY @ W): dequant + cuBLAS above 128 rows, the tiled kernel transposed below. Either way
+  at most one layer's dequantized weight is alive, never a bf16 copy of the model.
+- A product riding along (`fp4_linear_side`): rollout's LoRA A products (x @ A^T for a small bf16 A)
+  as extra programs of the mma launch, so a decode projection costs one launch, not two;
+  `small_linear` is the same product as a launch of its own.
 
-On Hopper and newer GPUs the kernels that serve decode (mma, wgmma, small_linear, k_ordered) are
-launched with programmatic dependent launch and wait for the kernel before them on the GPU
-(`pdl_opts`, `pdl_wait`; rollout.py's kernels do the same): inside a CUDA graph a kernel can then be
-scheduled while the one before it finishes. The mma and plain wgmma kernels let the next kernel launch
-once their programs are past the k loop (`pdl_launch_next`), so its launch overlaps their split-K
-epilogue. Called for decode (fp4_linear_side), where no kernel writes a weight, the mma kernel loads
-its first k-step's codes and scales before its wait: where the kernel before it lets it launch early
-(rollout.py's small kernels ahead of a GEMM do), that load overlaps the kernel before (a 7B decode
-step at one row 2.48 -> 2.38 ms on the H200, session 18; the same in the plain wgmma kernel, with
-k_ordered launching it early, made 8 and 16 rows 3% slower). The other callers wait first: the kernel
-just before them might have written the weight. QERL_PDL=0 turns it off.
+What bounds them, on an H200 (the device copy runs at 4.24 TB/s):
+- One row (mma): for gate/up, compute alone takes 18 us and the loads alone 24, and they overlap only
+  in part (32 us). A kernel that only reads the codes in the same pattern reaches 3.3-4.1 TB/s, and
+  this one draws 694 W, at the board's power cap: what would help is less work a weight. Fewer ALU
+  instructions (a quarter to half of the loop's) gained 0-6%; loads issued earlier (into registers,
+  into L2, through a shared-memory ring) lost.
+- 64 rows (wgmma): tensor cores, issue slots and DRAM each bound gate/up at ~18 us, and the plain
+  kernel took ~51: the three overlap poorly within one warpgroup. The producer warp and the three
+  consumer warpgroups took it to ~46 us.
+- 1024 rows and up: compute dominates, and the decode work per weight is what bf16 does not pay.
+  Dequant + cuBLAS cannot pass ~0.8x at 1024 rows; the fused kernels measured 0.62-0.84x there.
+
+Running inside CUDA graphs and torch.compile. The op is registered as `torch.ops.qerl.fp4_linear`
+(torch.library.custom_op, with a fake implementation and autograd for dX), so torch.compile treats a
+layer as one opaque call and CUDA graphs can capture it: no host syncs, no data-dependent allocations,
+configs fixed per shape (no autotuning at run time). Compile (warm up) each shape once before
+capturing a graph. On Hopper and newer GPUs the decode kernels (mma, wgmma, small_linear, k_ordered)
+use programmatic dependent launch: each may be scheduled while the kernel before it finishes, and waits
+for it on the GPU (`pdl_opts`, `pdl_wait`; rollout.py's kernels do the same). The mma and plain wgmma
+kernels let the next kernel launch once past their k loop (`pdl_launch_next`), and called for decode,
+where no kernel writes a weight, the mma kernel loads its first k-step of codes before its wait.
+QERL_PDL=0 turns this off. A caller whose own kernel produces x can store it in the wgmma kernel's K
+order itself and skip that launch (x_k_order, k_ordered_tile, fp4_linear_k_ordered).
 
 Paths: Triton on CUDA tensors, the torch path (dequantize + matmul) on CPU, chosen automatically.
 `set_backend("torch" | "triton" | "auto", kernel=None)` or the `backend(...)` context manager, or the
 environment variable QERL_FP4_BACKEND, force one; with "triton" on CPU tensors the kernels run in
 Triton's interpreter (that is how the tests check them). `kernel` pins "mma", "gemv", "wgmma", "tiled"
-or "dequant".
+or "dequant". Gluon has no interpreter: on CPU the tests run its PTX on the emulator and check its K
+order; on a Hopper GPU they check the kernel against float64.
 
 Departures from the official QeRL code: it runs rollouts on vLLM's Marlin FP4 kernel and trains by
 dequantizing the whole weight on every forward in HF; here one set of kernels serves both, the
