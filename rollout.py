@@ -24,13 +24,10 @@ Attention reads only the columns that exist. The decode-attention kernel takes t
 from a device counter and splits the sequence into chunks (flash-decoding: one program per (row, kv
 head, chunk), then a combine), so a step costs in proportion to the tokens present, not to the
 cache's capacity S; a finished row reads nothing. The grouped-query heads of one kv head share each
-K/V load (a 16-row tl.dot). The n samples of a prompt hold the same prompt in their cache rows, and
-the decode attention reads it for several rows at once: the programs of every few rows of a group
-also take a slice of the prompt for the query heads of those rows (up to SHARED_HEADS in one tl.dot:
-4 rows of Qwen2.5-7B, whose kv heads have 7 query heads each), read from the group's first row, and
-every row's own programs start after the prompt. With 8 samples of 1024-token prompts a 7B step took
-4.67 instead of 5.14 ms; with 256-token prompts (the longest of a row's chunks sets the time) 4.66
-instead of 4.67 (results/rollout_h200.md, session 16).
+K/V load (a 16-row tl.dot). The n samples of a prompt hold the same prompt in their cache rows, so
+the programs of every few rows of a group also take a slice of the prompt for the query heads of those
+rows (up to SHARED_HEADS in one tl.dot), read once from the group's first row; each row's own programs
+start after the prompt.
 
 One decode step is one CUDA graph. Everything in it reads fixed addresses: the token buffer, the
 counters (current column and step), the cache, the sampler's outputs. So the host replays the graph
@@ -50,43 +47,25 @@ has finished). The step per layer, with the launches it costs:
     act     = silu_mul(gu + a·B^T)                   1   LoRA B, SiLU, product
     delta   = down(act) + LoRA                     2 (+1)
 
-so 12 launches a layer for an NVFP4 base where fp4_gemm's plan runs its mma kernel (one row on a Hopper
-GPU, up to 8 elsewhere; 342 a step for Qwen2.5-7B), whose launch also computes the GEMM's LoRA A product
-(fp4_gemm.fp4_linear_side). The (+1)s: everywhere else (a bf16 base; NVFP4 on the other kernels) the
-LoRA A products are cuBLAS launches on a second stream, which runs them while the GEMM runs and rejoins
-before the LoRA B kernel reads them; so 16 launches a layer, 4 of them beside the GEMMs, and 4 more for
-NVFP4 at 2-32 rows on a Hopper GPU, where each of fp4_gemm's wgmma GEMMs first puts x in its K order in
-a launch of its own (fp4_gemm.k_ordered). From 33 rows (fp4_gemm's warp-specialized wgmma kernel,
-fp4_gemm.x_k_order) the op before each GEMM stores x in that order itself (its tile's columns moved in
-registers, fp4_gemm.k_ordered_tile; rows padded to the GEMM's tiles of x, whose TMA copies would
-zero-fill past the end, slowly), and the LoRA A product reads A's columns in the same order: 2.5% off
-the step at batch 64, 5% at 128, a tie at 33 (session 20). Not at 2-32 rows: there dropping the K-order
-launch made the step 3-6% slower. Off the critical path the products cost nearly nothing: in same-run
-comparisons the second stream took 8-10% off the step at batch 32 and 64 for NVFP4 (against its earlier
-way of riding them in the K-order launch) and at batch 16 and 64 for bf16 (results/rollout_h200.md,
-session 10). The stream runs cuBLAS only: fp4_gemm's split-K kernels share one buffer of ticket
-counters, and two of them side by side would corrupt each other's sums.
+so 12 launches a layer where fp4_gemm's plan runs its mma kernel (one row on a Hopper GPU, up to 8
+elsewhere), whose launch also computes the GEMM's LoRA A product (fp4_gemm.fp4_linear_side). The (+1)s:
+everywhere else (a bf16 base; NVFP4 on the other kernels) the LoRA A products are cuBLAS launches on a
+second stream, which runs them while the GEMM runs and rejoins before the LoRA B kernel reads them. For
+NVFP4 at 2-32 rows on a Hopper GPU each wgmma GEMM first puts x in its K order in a launch of its own
+(fp4_gemm.k_ordered); from 33 rows the op before the GEMM stores x in that order itself
+(fp4_gemm.x_k_order, k_ordered_tile), and the LoRA A product reads A's columns in the same order. The
+second stream runs cuBLAS only: fp4_gemm's split-K kernels share one buffer of ticket counters, and two
+of them side by side would corrupt each other's sums.
 
-On a Hopper GPU every Triton kernel of the step is launched with programmatic dependent launch
-(fp4_gemm.pdl_opts) and waits for the kernel before it on the GPU (fp4_gemm.pdl_wait) before it reads
-anything that kernel writes: the graph can then schedule a kernel while the one before it finishes, which
-hides most of the gap between launches; it took 5-7% off the step at every batch size
-(results/rollout_h200.md, session 8). What a kernel reads that no kernel of the step writes may come
-before its wait (the step's first kernel, the embedding lookup, is a plain launch, so whatever came before
-the step, such as the copies of the adapters, has finished by then). fp4_gemm's mma and plain wgmma GEMMs
-let the next kernel launch once they are past their k loop (0.8% off the step at batch 1 and 8), and the
-kernel after a GEMM loads its constants (its LoRA B's; a norm's weight) before the wait, so those loads
-overlap the GEMM's split-K epilogue: 5% off the step at batch 1, 4% at batch 8, 0.5% at 64. The three
-kernels before a GEMM (add_rmsnorm, the attention combine, silu_mul) let it launch first thing, and the
-mma kernel loads its first k-step's weight before its wait: 4% more off at batch 1; the early launch alone
-0.8% at 8 and 64 (session 18). The LoRA B kernel lets add_rmsnorm launch first thing, so the norm's weight
-loads while the B products run: 1.3% off at batch 1, 0.9% at 8, 0.3% at 64 (session 19). Measured slower
-and not done: every small kernel launching its successor first thing (the kernels after them wait on the
-SMs: 2-12% slower at 1-32 rows, 1-2% faster at 64; sessions 8 and 15, before the mma kernel loaded
-anything early), GEMMs prefetching their weights into L2 (sessions 15, 16), the plain wgmma kernel loading
-its first k-step early, launched early by its K-order kernel (3% slower at batch 8 and 16, session 18),
-and the attention loading its first block of past cache columns before its wait, launched early by
-rope_write (0.7% faster at batch 1, 0.7-1.3% slower at 8 and 64, session 19).
+Launches overlap. On a Hopper GPU every Triton kernel of the step uses programmatic dependent launch
+(fp4_gemm.pdl_opts): it may be scheduled while the kernel before it finishes, and waits for it on the GPU
+(fp4_gemm.pdl_wait) before it reads anything that kernel writes. What no kernel of the step writes (LoRA
+B's, a norm's weight, the one-row GEMM's first codes) is loaded before the wait, so those loads overlap
+the kernel before. The kernels just before a GEMM (add_rmsnorm, the attention combine, silu_mul) and
+the LoRA B kernel let their successor launch first thing; the GEMMs let it launch once past their k
+loop. The step's first kernel, the embedding lookup, is a plain launch, so whatever came before the step
+(the copies of the adapters, say) has finished by then. On the H200 each of these took 1-7% off the
+step (results/rollout_h200.md, sessions 8 and 15-19, with the variants that measured slower).
 
 LoRA stays unmerged (the adapters change every RL step; merging would mean re-quantizing the base):
 its A's and B's are copied at the start of every generate() call, in the model's dtype and with
@@ -110,51 +89,34 @@ rounds), computed in the kernel: no RNG state to carry through a graph, the same
 same tokens on every call, and the CPU path draws the same numbers (up to log() rounding).
 
 Finished rows. A row that samples a stop token is done: later steps write pad_id and logprob 0 for
-it and its attention reads nothing. Its GEMM rows are not free, though: a 7B NVFP4 step takes 2.4 ms at
-one row, 2.7 at 8 and 4.3 at 64 (results/rollout_h200.md). So when the host looks (every `check_every`
-steps, which costs one sync) and the live rows fit in half the batch or less, it moves them to the front
-(their cache up to the current column, their row state; the finished rows' outputs stay behind them)
-and goes on with a smaller state over the first 2^k rows of the same buffers (_State with a parent:
-views, with its own graph, captured the first time, mid-call, and kept for later calls: Decoder.shrink).
-A row keeps its row key and so draws the same noise as in the whole batch: the rollout is the same up
-to rounding (a GEMM of fewer rows may sum in another order, as the CPU's products of 1-3 rows do, which
-can flip a near-tie). 64 rows stopping after ~255 tokens on average, the longest at 1024: 4.46 -> 3.62 s
-a rollout on NVFP4 (128 rows: 6.24 -> 4.58 s); bf16, whose step costs nearly the same at any batch, gains
-0-13% (results/rollout_h200.md, session 24). The host stops the loop when every row is done.
+it and its attention reads nothing. Its GEMM rows are not free, though (a 7B NVFP4 step takes 2.4 ms
+at one row and 4.1 at 64). So when the host looks (every `check_every` steps, which costs one sync) and
+the live rows fit in half the batch or less, it moves them to the front (their cache up to the current
+column, their row state; the finished rows' outputs stay behind them) and goes on with a smaller state
+over the first 2^k rows of the same buffers (_State with a parent: views, with its own graph, captured
+the first time, mid-call, and kept for later calls: Decoder.shrink). A row keeps its row key and so
+draws the same noise as in the whole batch: the rollout is the same up to rounding (a GEMM of fewer rows
+may sum in another order, which can flip a near-tie). The host stops the loop when every row is done.
+
+Prefill. It runs through the decode step's fused projections and its add_rmsnorm and rope_write
+kernels, with SDPA reading the kv heads unexpanded. Eagerly a short prefill is bound by the host (one
+256-token prompt: 66-116 ms, of which ~11 ms are GPU work), so up to PREFILL_GRAPH_TOKENS prompt tokens
+it replays a CUDA graph per (prompts, length) shape, the length rounded up to a multiple of
+PREFILL_BUCKET so that nearby lengths share a graph; the first call of a shape runs eagerly and captures.
 
 On the CPU (tests) the same step runs eagerly with torch ops in place of the Triton kernels; each
 fused op below has its torch reference next to its kernel, and the tests run both (the kernels
 through Triton's interpreter).
 
-Measured (H200, Qwen2.5-7B shape, NVFP4 + LoRA r32 + AQN, results/rollout_h200.md, sessions 19-21): batch 1
-runs at 2.36 ms a step against a 1.16 ms floor, batch 8 at 2.68-2.76, batch 16 at 2.83-2.86, batch 64 at
-4.33. The prefill runs through the step's fused projections (since session 20; the model's own seven linears
-a layer took 99 instead of 75 ms for one 256-token prompt, 77 instead of 63 for 8). Eagerly it is bound by
-the host at small batches: 66-116 ms for one 256-token prompt, of which about 11 ms are GPU work. So up to
-2048 prompt tokens it replays a CUDA graph (session 21): one prompt of 200 or 256 tokens in 11.3-11.4 ms,
-four of 256 or one of 1000 in 32-33 ms, against 52-116 ms eagerly, eight of 256 in 55-56 ms against 60-104,
-with the same tokens; the first call of a shape runs eagerly and captures (107-239 ms). Prompt lengths are
-rounded up to a multiple of 64 there, so that nearby lengths share a graph. Longer prefills keep the GPU
-busy eagerly. Since session 23 the prefill also runs the step's add_rmsnorm and rope_write kernels (the
-rotary embedding, LoRA B of q|k|v and the K/V writes in one), and SDPA reads the kv heads unexpanded: 64
-prompts of 256 tokens in 360 ms instead of 414 (the GEMMs ~310), eight in 47-49 ms instead of 56 (graphed).
-In session 18's profile (eager steps at 128 new tokens, so without the overlap programmatic
-dependent launch gives the graph), batch 1's 2.63 ms of kernel time were fp4_gemm's GEMMs with the LoRA-A
-products riding in them 1.82 (3.67 GB at 2.0 TB/s, the tensor-core `mma` kernel), cuBLAS's lm_head 0.25, and
-this file's kernels 0.55 (attention 0.15, LoRA B 0.11, silu_mul 0.10, add_rmsnorm 0.10, rope_write 0.09);
-the graphed step, its 342 launches overlapping, took 2.47 ms there (before the mma kernel's early loads,
-which took the step at 512 new tokens from 2.48 to 2.38 ms). Without the graph a step costs ~70 ms (Python
-and launch overhead; session 1's measurement). The LoRA-A products as launches of their own in line cost
-4.2-8.2 µs each (0.47 ms a step, at 3.42 ms a step), inside the GEMM's launch 0.4-3 µs. From 2 rows they run
-on the second stream, entirely hidden at batch 8 (3.46 ms of kernel time, 0.70 of it on that stream, in a
-2.78 ms step at 128 new tokens, session 13). At batch 64 (128 new tokens, session 18) the kernels add up to
-5.04 ms: the wgmma GEMMs 2.74 (3.67 GB at ~1.3 TB/s), cuBLAS 1.00 (lm_head and the LoRA-A products on the
-second stream, with their split-K reduces), attention 0.54, the K-order launches 0.17, this file's other
-kernels 0.58. What remains, in order: the fp4 GEMMs at ~2 TB/s instead of ~4 at batch 1 (their compute and
-loads overlap only in part, at the board's power cap; see fp4_gemm.py), and at ~1.3 TB/s at batch 64.
-Session 29's profile (same settings, 256 / 768 columns): batch 64 4.90 / 5.37 ms of kernels, the GEMMs
-2.73 / 2.69, attention 0.54 / 1.07 (2.6 TB/s at 768), which now splits each row's columns as the column
-moves and pipelines as deep as lets its grid fit in one wave (_attn_grid).
+Where a step's time goes (H200, Qwen2.5-7B shape, NVFP4 + LoRA r32 + AQN; results/rollout_h200.md has
+each profile). Batch 1 takes 2.36 ms against a floor of 1.12 ms (4.76 GB at the 4.24 TB/s a device
+copy reaches): of ~2.6 ms of kernel time, fp4_gemm's
+GEMMs (with the LoRA A products riding in them) take 1.78 (~2.1 TB/s), cuBLAS's lm_head 0.26, and this
+file's kernels ~0.55 (attention, LoRA B, silu_mul, add_rmsnorm, rope_write, 0.09-0.15 ms each); the
+graph overlaps them in part. Batch 64 takes 4.14 ms: the wgmma GEMMs 2.73, cuBLAS 0.82 (lm_head and the
+LoRA A products on the second stream) and its split-K reduces 0.19, attention 0.54 at 256 columns and
+1.07 at 768 (2.6 TB/s), the small kernels ~0.55. So what remains is the GEMMs, at about half the bandwidth a plain read reaches
+(see fp4_gemm.py). Without the graph a step costs ~70 ms of Python and launches.
 
 Departures. vLLM (which the official QeRL code uses) pages its KV cache and batches continuously;
 here a batch is static and every row shares the cache's column index (left padding), which keeps the
