@@ -39,8 +39,15 @@ decays geometrically from sigma_start to sigma_end:
     sigma_k = sigma_start * (sigma_end / sigma_start) ** ((k - 1) / (K - 2))
 
 so stage 1 has sigma_start and stage K-1 sigma_end (with K = 2 the only noisy stage uses
-sigma_start). Defaults sigma_start 1e-2, sigma_end 5e-4 as in the paper; the official scripts use
-sigma_end 1e-4.
+sigma_start). Defaults sigma_start 1e-2, sigma_end 1e-4, K = 10: the official training scripts
+(training/dapo_qwen2.5-*_nvfp4_single_gpu.sh), the code released with the paper; the paper's text
+says sigma_end 5e-4 (pass it to compare). The official trainer computes the same stages
+(trl_trainer/noise_scheduler.py: K intervals of total_steps / K, the first without noise).
+
+Trained norms. With --train-norms (the official --ln True) the norm weights are parameters that the
+optimizer moves; the noise is drawn around their current values at each rollout and the exact
+trained values come back afterwards, so the optimizer never keeps any of it, and the update sees it
+only with train.py's --aqn-update (tests/test_lora.py checks this around an optimizer step).
 
 Usage: the caller (train.py) resamples once per rollout step and applies the noise to the rollout
 only (the paper's setting; applying it to the update pass as well is the caller's choice):
@@ -80,7 +87,7 @@ FINAL_NORMS = ("norm", "model.norm")  # ours, transformers' (…ForCausalLM.mode
 class AQNSchedule:
     """QeRL's stage-wise geometric decay of the AQN sigma; see the module docstring."""
 
-    def __init__(self, total_steps, stages=10, sigma_start=1e-2, sigma_end=5e-4):
+    def __init__(self, total_steps, stages=10, sigma_start=1e-2, sigma_end=1e-4):
         if total_steps < 1:
             raise ValueError(f"total_steps must be >= 1, got {total_steps}")
         if stages < 2:
@@ -189,7 +196,8 @@ def main():
     parser.add_argument("--total-steps", type=int, required=True, help="training steps of the run")
     parser.add_argument("--stages", type=int, default=10, help="number of stages K (stage 0 has no noise)")
     parser.add_argument("--sigma-start", type=float, default=1e-2, help="sigma of stage 1")
-    parser.add_argument("--sigma-end", type=float, default=5e-4, help="sigma of the last stage (official scripts: 1e-4)")
+    parser.add_argument("--sigma-end", type=float, default=1e-4, help="sigma of the last stage (official scripts; "
+                        "the paper's text: 5e-4)")
     args = parser.parse_args()
     sched = AQNSchedule(args.total_steps, args.stages, args.sigma_start, args.sigma_end)
     print(sched)

@@ -145,6 +145,19 @@ def parse_solution(answer):
     return steps, int(m.group(1)) if m else None
 
 
-if __name__ == "__main__":
-    for item in load("train", 5):
+def main(argv=None):
+    import argparse
+
+    p = argparse.ArgumentParser(description="Print problems of the synthetic arithmetic task with their solutions.")
+    p.add_argument("--split", default="train", choices=SPLITS, help="which split to draw from")
+    p.add_argument("-n", "--num", type=int, default=5, help="how many problems")
+    p.add_argument("--seed", type=int, default=0, help="seed of the draw")
+    args = p.parse_args(argv)
+    if args.num < 1:
+        p.error(f"--num {args.num}: must be >= 1")
+    for item in load(args.split, args.num, seed=args.seed):
         print(item["question"], "\n", item["answer"], "\n", sep="")
+
+
+if __name__ == "__main__":
+    main()

@@ -56,7 +56,13 @@ What is kept and what is not, and why:
   once the overlong penalty is added, two completions with equal correctness but different lengths
   differ, so pass the correctness rewards if you want the paper's filter ("acc" in verl's recipe).
 - Overlong filtering only masks the loss; the truncated samples still count in their group's mean
-  and std (the advantages are computed before the mask is applied), as in the paper.
+  and std (the advantages are computed before the mask is applied), as in the paper and as TRL's
+  mask_truncated_completions does.
+- The two remedies overlap: with the filter on, a truncated sample's -1 penalty never reaches its own
+  tokens, and only lowers its group's mean (raising its siblings' advantages); the soft band then
+  acts on the completions that stopped inside it. The official QeRL scripts use the filter alone
+  (mask_truncated_completions, no length term in the reward), and so does train.py's paper recipe;
+  the soft punishment stays available (--overlong-buffer) and is the tiny demo's default.
 - Not kept: the paper's rule-based ±1 reward and its data (DAPO-Math-17K) belong to the task code;
   the dual clip (verl's, not DAPO's) is available through grpo.policy_loss's dual_clip, off here.
 Pure torch plus grpo.py; tested alone in tests/test_dapo.py.

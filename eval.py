@@ -17,6 +17,11 @@ tasks.grade (the same judge RL is rewarded by), and report:
 
   (the product form avoids huge binomials); it is 1 when n - c < k. Averaged over problems. Plugging in
   "any of the first k samples is right" instead would be unbiased too but waste the other n - k.
+- the same avg@K and pass@k with the strict grader (`accuracy_strict`, `pass@k_strict`: a GSM8K answer
+  counts only after `####` or inside `<answer>` tags, the form RL with the strict reward trains; the
+  lenient `accuracy` also reads a box or the last number), side by side, and `answer_format`, the
+  fraction of completions that give an answer in such a spot. For MATH-style sets the two agree: a
+  `\\boxed{}` (or `<answer>`) answer is required either way (tasks.py says why).
 - per-level and per-subject avg@K when the items carry them (MATH500), the mean completion length and
   the fraction cut off at --max-new-tokens.
 
@@ -79,7 +84,7 @@ def _breakdown(records, field):
 
 @torch.no_grad()
 def evaluate(model, tokenizer, items, kind=None, *, samples=1, temperature=0.6, top_p=0.95, max_new_tokens=1024,
-             batch_size=None, seed=0, progress=False):
+             batch_size=None, seed=0, progress=False, prompt="ours"):
     """Sample `samples` completions of each item and grade them.
 
     items: tasks.load_dataset records ({question, answer[, kind, level, subject, id]}); an item's own
@@ -88,21 +93,29 @@ def evaluate(model, tokenizer, items, kind=None, *, samples=1, temperature=0.6, 
     model on the CPU, 64 on a GPU, where the KV cache grows with it). seed: the
     sampling seed; batch b uses seed + b, so the result does not depend on the global RNG.
 
-    Returns {"accuracy", "pass@1", "avg@K", "pass@k": {k: ...}, "n", "samples", "mean_length",
-    "truncated", "by_level", "by_subject", "seconds", "records"}; records holds one dict a completion
-    (item index, sample index, completion text, extracted answer, correct, length, finish)."""
+    prompt: "ours" (the instruction after the question) or "official" (QeRL's think/answer system
+    prompt), as tasks.get_task.
+
+    Returns {"accuracy", "pass@1", "avg@K", "pass@k": {k: ...}, "accuracy_strict", "pass@k_strict",
+    "answer_format", "n", "samples", "mean_length", "truncated", "by_level", "by_subject", "seconds",
+    "records"}: accuracy and pass@k with the lenient grader, *_strict with the strict one (tasks.grade),
+    answer_format the fraction of completions giving their answer in an explicit spot; records holds one
+    dict a completion (item index, sample index, completion text, extracted answer, correct,
+    correct_strict, length, finish)."""
     import rollout
-    from model import stop_token_ids
+    from hub import stop_token_ids
 
     if not items:
         raise ValueError("evaluate needs at least one item")
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
-    max_new_tokens = max_new_tokens or 1024
+    max_new_tokens = 1024 if max_new_tokens is None else max_new_tokens
+    if max_new_tokens < 1:  # (0 once became the default here, silently)
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     kinds = [it.get("kind") or kind for it in items]
     if any(k is None for k in kinds):
         raise ValueError("items without a 'kind' need the kind argument ('gsm8k' or 'math')")
-    prompts = [tasks.get_task(k).prompt_ids(tokenizer, it["question"]) for it, k in zip(items, kinds)]
+    prompts = [tasks.get_task(k, prompt).prompt_ids(tokenizer, it["question"]) for it, k in zip(items, kinds)]
     stops = stop_token_ids(tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     batch_size = batch_size or (256 if model.device.type == "cpu" else 64)
@@ -127,6 +140,8 @@ def evaluate(model, tokenizer, items, kind=None, *, samples=1, temperature=0.6, 
                             "question": it["question"], "gold": it["answer"], "completion": text,
                             "extracted": tasks.extract_answer(k, text),
                             "correct": bool(tasks.grade(k, text, it["answer"])),
+                            "correct_strict": bool(tasks.grade(k, text, it["answer"], strict=True)),
+                            "answer_format": bool(tasks.has_final_answer(k, text)),
                             "length": int(ro.lengths[row]), "finish": ro.finish[row]})
         if bar is not None:
             right = sum(r["correct"] for r in records)
@@ -135,13 +150,19 @@ def evaluate(model, tokenizer, items, kind=None, *, samples=1, temperature=0.6, 
     if bar is not None:
         bar.close()
 
-    right = defaultdict(int)
-    for r in records:
-        right[r["index"]] += r["correct"]
-    avg = sum(right[i] for i in range(len(items))) / (len(items) * samples)
-    pass_k = {k: sum(pass_at_k(samples, right[i], k) for i in range(len(items))) / len(items)
-              for k in ks_for(samples)}
-    return {"accuracy": avg, "pass@1": avg, f"avg@{samples}": avg, "pass@k": pass_k, "n": len(items),
+    def scores(field):  # (avg@K, {k: pass@k}) of one grader's verdicts
+        right = defaultdict(int)
+        for r in records:
+            right[r["index"]] += r[field]
+        avg = sum(right[i] for i in range(len(items))) / (len(items) * samples)
+        return avg, {k: sum(pass_at_k(samples, right[i], k) for i in range(len(items))) / len(items)
+                     for k in ks_for(samples)}
+
+    avg, pass_k = scores("correct")
+    avg_strict, pass_k_strict = scores("correct_strict")
+    return {"accuracy": avg, "pass@1": avg, f"avg@{samples}": avg, "pass@k": pass_k,
+            "accuracy_strict": avg_strict, "pass@k_strict": pass_k_strict, "prompt": prompt,
+            "answer_format": sum(r["answer_format"] for r in records) / len(records), "n": len(items),
             "samples": samples, "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
             "mean_length": sum(r["length"] for r in records) / len(records),
             "truncated": sum(r["finish"] == "length" for r in records) / len(records),
@@ -167,44 +188,65 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=None, help="completions per generate call (default: 256 CPU, 64 GPU)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--out", default=None, help="output folder (default runs/eval/<model>-<data>)")
+    p.add_argument("--out", default=None, help="output folder (default runs/eval/<model>[+<adapter>]-<data>); an "
+                   "earlier eval.py output there is replaced")
+    p.add_argument("--force", action="store_true", help="write into a non-empty --out that eval.py did not write "
+                   "(replacing its contents)")
     return p.parse_args(argv)
+
+
+def check_args(args):
+    """Every bad value stops here, with what to do, before the model loads."""
+    problems = []
+    for flag, value in (("--limit", args.limit), ("--samples", args.samples), ("--max-new-tokens", args.max_new_tokens),
+                        ("--batch-size", args.batch_size)):
+        if value is not None and value < 1:
+            problems.append(f"{flag} {value}: must be >= 1")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        problems.append(f"--temperature {args.temperature}: must be a number >= 0 (0 = greedy)")
+    if not 0 < args.top_p <= 1:  # (False for nan too)
+        problems.append(f"--top-p {args.top_p}: must be in (0, 1]")
+    if problems:
+        raise SystemExit("eval.py: " + "\n  ".join(["cannot start:"] + problems))
+
+
+def default_out(args):
+    """runs/eval/<model>-<data>, with the adapter's folder and its parent's name when one is given, so
+    evaluating the base and then an adapter (or two adapters) never overwrite each other's results."""
+    name = _slug(args.model)
+    if args.adapter:  # runs/x/adapter -> +x_adapter
+        adapter = os.path.normpath(str(args.adapter))
+        parent = os.path.basename(os.path.dirname(os.path.abspath(adapter)))
+        name += f"+{_slug(parent)}_{_slug(adapter)}" if parent else f"+{_slug(adapter)}"
+    return os.path.join("runs", "eval", f"{name}-{_slug(args.data).removesuffix('.jsonl')}")
 
 
 def _slug(s):
     return re.sub(r"[^A-Za-z0-9._-]+", "_", os.path.basename(os.path.normpath(str(s))))
 
 
-def load_policy(name, adapter=None, quant="nvfp4", device="cpu"):
-    """(model, tokenizer): the base (NVFP4-quantized as it loads when quant='nvfp4') with the adapter
-    applied when given."""
-    import model as model_lib
-
-    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    m = model_lib.Transformer.from_pretrained(name, dtype=dtype, device=device, quantize=quant == "nvfp4")
-    if adapter:
-        import lora
-
-        lora.load_adapter(m, adapter)  # (into adapters made on the base's device)
-    return m.eval(), model_lib.load_tokenizer(name)
-
-
 def main(argv=None):
     args = parse_args(argv)
-    from model import read_config, resolve_device, stop_on_bad_input
+    check_args(args)
+    import hub
+    import lora
+    from model import read_config
 
-    device = resolve_device(args.device)  # (stops with a message when cuda is asked for and absent)
-    with stop_on_bad_input("eval.py"):  # the model, the adapter and the data first, before any loading
-        model_dir = read_config(args.model)[0]
-        if args.adapter:
-            import lora
-
-            lora.read_adapter(args.adapter)
-        items = tasks.load_dataset(args.data, split=args.split, limit=args.limit, data_dir=args.data_dir)
+    device = hub.resolve_device(args.device, "eval.py")  # (stops with a message when cuda is asked for and absent)
     data_name = _slug(args.data).removesuffix(".jsonl")
     max_new = args.max_new_tokens or DEFAULT_MAX_NEW_TOKENS.get(data_name, 2048)
-    out = args.out or os.path.join("runs", "eval", f"{_slug(args.model)}-{data_name}")
-    model, tokenizer = load_policy(model_dir, args.adapter, args.quant, device)
+    out = args.out or default_out(args)
+    # The model, the adapter, the data and the output folder first, before any loading: an unwritable
+    # --out found after the evaluation would lose its results.
+    with hub.stop_on_bad_input("eval.py"):
+        model_dir, _, config = read_config(args.model)
+        if args.adapter:
+            lora.adapter_fits(config, lora.read_adapter(args.adapter)[1], args.adapter)
+        items = tasks.load_dataset(args.data, split=args.split, limit=args.limit, data_dir=args.data_dir)
+        if not items:
+            raise ValueError(f"{args.data} holds no problems")
+        hub.claim_folder(out, "eval.py", sources=[model_dir, args.adapter], force=args.force)
+        model, tokenizer = lora.load_policy(model_dir, args.adapter, args.quant, device)
     print(f"eval: {args.model}{' + ' + args.adapter if args.adapter else ''} ({args.quant}) on {device}, "
           f"{args.data}/{args.split}: {len(items)} problems x {args.samples} samples, T={args.temperature} "
           f"top-p={args.top_p}, max {max_new} new tokens")
@@ -213,16 +255,17 @@ def main(argv=None):
     records = res.pop("records")
     summary = {"model": args.model, "adapter": args.adapter, "quant": args.quant, "data": args.data,
                "split": args.split, "device": str(device), "seed": args.seed, **res}
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    with open(os.path.join(out, "samples.jsonl"), "w") as f:
+    with open(os.path.join(out, "samples.jsonl.tmp"), "w") as f:
         for r in records:
             f.write(json.dumps(r) + "\n")
+    os.replace(os.path.join(out, "samples.jsonl.tmp"), os.path.join(out, "samples.jsonl"))
+    hub.write_json(os.path.join(out, "summary.json"), summary)
     K = args.samples
     print(f"avg@{K} (pass@1) = {res['accuracy']:.4f}   " +
           "   ".join(f"pass@{k} = {v:.4f}" for k, v in res["pass@k"].items() if k > 1) +
           f"   mean length {res['mean_length']:.1f}, truncated {res['truncated']:.1%}, {res['seconds']:.1f}s")
+    print(f"strict (answer only in its prompted spot): avg@{K} = {res['accuracy_strict']:.4f}   "
+          f"answer in the prompted format: {res['answer_format']:.1%}")
     for field in ("by_level", "by_subject"):
         if res[field]:
             print(f"{field.removeprefix('by_')}: " +

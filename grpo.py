@@ -32,6 +32,29 @@ one likes (rho >> 1) can produce a huge update. The dual clip caps the loss at c
 
 so tokens with A < 0 and rho > c get zero gradient (`dual_clip_frac`). Off by default (None).
 
+Which policy the ratio is against: the sampler or the trainer. Here the sampler (rollout.py: the
+NVFP4 kernels, bf16 LoRA, AQN noise on the norms) and the trainer (the update's forward, without the
+noise) are two numerically different policies, pi_s and pi_t, even at the same parameters. Three
+choices of old_logp (`sampler_correction(mode, ...)` returns old_logp and is_weight for this loss):
+
+    "trainer"  old = logp_t.detach()          rho = 1 in a single pass, w = 1
+                                              the official QeRL code (TRL, num_iterations = 1): the
+                                              sampler's tokens are trained on as if on-policy
+    "sampler"  old = logp_s                   rho = pi_t / pi_s: the textbook off-policy ratio; it
+                                              clips and damps exactly the tokens the noise made likely
+    "tis"      old = logp_t.detach(),         the clip on the trainer's own ratio, and each token's
+               w = min(pi_t / pi_s, C)        policy-gradient term times a truncated importance weight
+                                              (detached): FlashRL's TIS, verl, TRL's
+                                              vllm_importance_sampling_correction
+
+with the per-token loss w_it * ppo_it (+ beta k3_it: the weight multiplies the policy-gradient term
+only, as TRL applies it). With more than one pass over a batch, "trainer"'s old_logp is the trainer's
+logp from the first pass (the policy before the update), which is what TRL computes for
+num_iterations > 1. Given `sampler_logp`, policy_loss also measures the mismatch on the sampled
+tokens: `mismatch_kl` = mean k3 estimate of KL(pi_s || pi_t) (x = logp_t - logp_s, e^x - x - 1,
+unbiased for tokens drawn from pi_s), `mismatch_ratio_max` = the largest pi_t / pi_s, and with
+`tis_cap` C, `tis_clip_frac` = the fraction of tokens whose pi_t / pi_s exceeds C.
+
 Loss aggregation (`agg`), with m the mask, l_it the per-token loss above (PPO term + beta k3),
 S the number of sequences with at least one masked token and N the number of masked tokens:
 
@@ -75,6 +98,7 @@ import torch
 
 AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-sum-const")
 STD_MODES = ("group", "batch", "none")
+RATIO_MODES = ("trainer", "sampler", "tis")
 
 
 def group_advantages(rewards, eps=1e-6, std="group"):
@@ -108,6 +132,27 @@ def k3_kl(logp, ref_logp):
     return torch.exp(x) - x - 1
 
 
+def sampler_correction(mode, logp, sampler_logp, tis_cap=None, trainer_logp=None):
+    """(old_logp, is_weight) for policy_loss under ratio `mode` (see the module docstring).
+
+    logp (B, T): the trainer's logp now (only its detached value is used); sampler_logp (B, T): the
+    rollout's; trainer_logp: the trainer's logp before this update, where it differs from logp (a
+    second pass over the batch), else None; tis_cap: C for "tis". is_weight is None or (B, T), detached;
+    padding positions may hold anything (policy_loss masks them)."""
+    if mode not in RATIO_MODES:
+        raise ValueError(f"ratio mode must be one of {RATIO_MODES}, got {mode!r}")
+    if mode == "sampler":
+        return sampler_logp, None
+    before = (logp if trainer_logp is None else trainer_logp).detach()  # (B, T)
+    if mode == "trainer":
+        return before, None
+    if tis_cap is None or tis_cap <= 0:
+        raise ValueError(f"ratio mode 'tis' needs tis_cap > 0 (FlashRL, verl and TRL use 2), got {tis_cap}")
+    # exp overflows to inf for a token the sampler found far less likely: the cap catches it.
+    dtype = torch.promote_types(before.dtype, torch.float32)  # half-precision logprobs make coarse ratios
+    return before, torch.exp(before.to(dtype) - sampler_logp.detach().to(dtype)).clamp(max=tis_cap)  # (B, T)
+
+
 def batch_counts(mask):
     """(num_seqs, num_tokens) of a (B, T) mask: sequences with >= 1 masked token, masked tokens.
 
@@ -119,8 +164,8 @@ def batch_counts(mask):
 
 def policy_loss(logp, old_logp, advantages, mask, *, eps_low=0.2, eps_high=0.2, dual_clip=None,
                 ref_logp=None, beta=0.0, agg="seq-mean-token-mean", num_seqs=None, num_tokens=None,
-                const=None, entropy=None):
-    """Clipped surrogate (+ beta * k3 KL) aggregated by `agg`; returns (loss, metrics).
+                const=None, entropy=None, is_weight=None, sampler_logp=None, tis_cap=None):
+    """Clipped surrogate (times is_weight, + beta * k3 KL) aggregated by `agg`; returns (loss, metrics).
 
     logp (B, T) carries the gradient (half precision is computed in float32); old_logp, ref_logp,
     entropy (B, T) are treated as constants (detached); advantages (B,) or (B, T); mask (B, T) bool
@@ -131,6 +176,11 @@ def policy_loss(logp, old_logp, advantages, mask, *, eps_low=0.2, eps_high=0.2, 
     of loss), clip_frac_low, clip_frac_high, dual_clip_frac, ratio_mean, kl_old (k3 estimate of
     KL(pi_old || pi_theta) from the ratio: rho - 1 - log rho), kl_ref (k3 of KL(pi_theta || pi_ref),
     only when ref_logp is given), entropy (only when given), tokens and seqs (this call's counts).
+
+    is_weight (B, T), detached, multiplies each token's policy-gradient term (TIS; None = 1).
+    sampler_logp (B, T), only measured: mismatch_kl, mismatch_ratio_max (the largest pi_t / pi_s,
+    0 on an empty mask) and, with tis_cap, tis_clip_frac, of logp against the sampler's logprobs (see
+    the module docstring and sampler_correction).
     """
     if agg not in AGG_MODES:
         raise ValueError(f"agg must be one of {AGG_MODES}, got {agg!r}")
@@ -177,6 +227,10 @@ def policy_loss(logp, old_logp, advantages, mask, *, eps_low=0.2, eps_high=0.2, 
     pg = torch.maximum(unclipped, clipped)  # (B, T)  = -min(rho A, clip(rho) A)
     if dual_clip is not None:
         pg = torch.where(adv < 0, torch.minimum(pg, -dual_clip * adv), pg)  # (B, T)
+    if is_weight is not None:
+        if is_weight.shape != logp.shape:
+            raise ValueError(f"is_weight shape {tuple(is_weight.shape)} != logp shape {tuple(logp.shape)}")
+        pg = pg * torch.where(m, is_weight.detach().to(logp.dtype), zero)  # (B, T)
 
     if ref_logp is not None:
         ref = torch.where(m, ref_logp.detach().to(logp.dtype), zero)  # (B, T)
@@ -229,6 +283,15 @@ def policy_loss(logp, old_logp, advantages, mask, *, eps_low=0.2, eps_high=0.2, 
             stats["kl_ref"] = masked_mean(kl.detach())
         if entropy is not None:
             stats["entropy"] = masked_mean(torch.where(m, entropy.detach().to(mf.dtype), zero))
+        if sampler_logp is not None:
+            if sampler_logp.shape != logp.shape:
+                raise ValueError(f"sampler_logp shape {tuple(sampler_logp.shape)} != logp shape {tuple(logp.shape)}")
+            x = lp.detach() - torch.where(m, sampler_logp.detach().to(mf.dtype), zero)  # (B, T) log pi_t/pi_s
+            # (expm1 in float64: e^x - x - 1 of a mismatch ~1e-4 is ~1e-8, below float32's rounding of e^x)
+            stats["mismatch_kl"] = masked_mean(torch.expm1(x.double()) - x.double())
+            stats["mismatch_ratio_max"] = torch.where(m, torch.exp(x), zero).amax() if x.numel() else zero
+            if tis_cap is not None:
+                stats["tis_clip_frac"] = masked_mean(torch.exp(x) > tis_cap)
         # One device-to-host copy for all of them.
         values = torch.stack([v.to(mf.dtype) for v in stats.values()]).tolist()
         metrics = dict(zip(stats.keys(), values))

@@ -25,14 +25,12 @@ compressed-tensors NVFP4 quantization_config (written by `python nvfp4.py`) load
 QuantLinears, as does `from_pretrained(..., quantize=True)` on a bf16 folder, one weight at a time, so
 a 32B model is never whole in bf16.
 
-The forward takes optional positions (B, T) and a KV cache: any object with
-`attend(layer, q, k, v) -> out` and `advance(T)` (KVCache below is the plain one; rollout.py has the
-fast one). Without them it is a plain causal forward over the whole sequence. `shared_prompt_hidden`
+The forward takes optional positions (B, T) and a KV cache: any object with `length` (columns
+filled), `attend(layer, q, k, v) -> out` and `advance(T)` (rollout.py's KVCache is the one the sampler
+uses). Without them it is a plain causal forward over the whole sequence. `shared_prompt_hidden`
 runs sequences that share a prompt as one packed row, the prompt once (the RL update's samples).
 """
-import contextlib
 import functools
-import json
 import os
 
 import torch
@@ -43,10 +41,12 @@ from torch.utils.checkpoint import checkpoint
 
 import fp4_gemm
 import nvfp4
+# Where models come from lives in hub.py (the bottom of the import graph); these names stay importable
+# from here for the callers that know them as model's.
+from hub import (ALIASES, load_tokenizer, resolve_device, resolve_model_dir, stop_on_bad_input,  # noqa: F401
+                 stop_token_ids)
+from hub import read_config_json
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ALIASES = {f"qwen2.5-{n}b": f"Qwen/Qwen2.5-{n.upper()}B-Instruct" for n in ("0.5", "1.5", "3", "7", "14", "32")}
-ALIASES["tiny"] = os.path.join(HERE, "assets", "tiny")
 SUPPORTED = ("qwen2", "llama")
 
 
@@ -212,35 +212,6 @@ def _compiled_block(backend):
     return torch.compile(Block.forward, backend=backend)
 
 
-class KVCache:
-    """The plain static KV cache: k, v (L, B, Hkv, S, D) allocated once; `length` columns are
-    filled, the same number in every row (prompts are left-padded). `valid` (B, S) is False at
-    padding, which no query may attend to."""
-
-    def __init__(self, cfg, batch, max_len, dtype, device):
-        shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.valid = torch.ones(batch, max_len, dtype=torch.bool, device=device)
-        self.length = 0
-
-    def attend(self, layer, q, k, v):
-        s, T = self.length, q.shape[2]
-        if s + T > self.k.shape[3]:
-            raise ValueError(f"KV cache overflow: {s + T} tokens for a cache of {self.k.shape[3]}")
-        self.k[layer, :, :, s:s + T] = k
-        self.v[layer, :, :, s:s + T] = v
-        keys, values = self.k[layer, :, :, :s + T], self.v[layer, :, :, :s + T]  # (B, Hkv, S', D)
-        qpos = torch.arange(s, s + T, device=q.device)[:, None]  # (T, 1)
-        kpos = torch.arange(s + T, device=q.device)[None, :]  # (1, S')
-        # A padding query sees only itself, so that no row is fully masked (which would give NaN).
-        mask = (kpos <= qpos) & (self.valid[:, None, :s + T] | (kpos == qpos))  # (B, T, S')
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], enable_gqa=True)
-
-    def advance(self, T):
-        self.length += T
-
-
 class Transformer(nn.Module):
     def __init__(self, cfg, dtype=torch.float32):
         super().__init__()
@@ -288,7 +259,7 @@ class Transformer(nn.Module):
         compiled = _compiled_block(self.compile_blocks) if training and self.compile_blocks else None
         if compiled:  # each micro-batch brings its own token and sequence counts: compile shape-generic at once;
             # else torch compiles for static shapes first, then again as each count first changes (H200, 1.5B
-            # shape: two more compiles, 24 s; results/bench_h200.md, session 25)
+            # shape: two more compiles, 24 s; results/bench_h200.md)
             dims = [(x, 0), (x, 1), (cos, 0), (cos, 2), (sin, 0), (sin, 2)]
             for t, d in dims + ([(shared[0], 0), (shared[0], 1), (shared[1], 0)] if shared else []):
                 torch._dynamo.maybe_mark_dynamic(t, d)
@@ -417,91 +388,38 @@ def load_weights(model, folder, quantize_on_load=False):
     for key in list(wanted) + list(quant_modules):
         by_shard.setdefault(weight_map[key], []).append(key)
     for shard, keys in by_shard.items():
-        with safe_open(os.path.join(folder, shard), "pt") as f:
-            for key in keys:
-                src = f.get_tensor(key)
-                if key in quant_modules:
-                    name, m = quant_modules[key]
-                    expected = (m.out_features, m.in_features)
-                    if tuple(src.shape) != expected:
-                        raise ValueError(f"{key}: checkpoint shape {tuple(src.shape)} != model shape {expected}")
-                    m.set_weight(src.to(model.device), key)
-                    continue
-                dst = wanted[key]
-                if src.shape != dst.shape:
-                    raise ValueError(f"{key}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
-                dst.copy_(src.to(dst.dtype) if dst.is_floating_point() and dst.dtype.itemsize > 1 else src)
-
-
-def resolve_device(name=None):
-    """A CLI's --device → torch.device: None picks cuda when a GPU is visible, else cpu. Asking for cuda
-    where torch sees no GPU (a CPU build of torch, or no device) stops with a message, instead of torch's
-    assertion deep inside the first .to()."""
-    device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        why = "this torch is a CPU build" if torch.version.cuda is None else "torch sees no CUDA device"
-        raise SystemExit(f"--device {name}: {why}; run with --device cpu (or install torch with CUDA on a GPU machine)")
-    return device
-
-
-@contextlib.contextmanager
-def stop_on_bad_input(prog):
-    """Around a CLI's first look at what the user named (model, adapter, data): a missing or malformed
-    one (FileNotFoundError, ValueError; RuntimeError for a failed download), whose message says what to
-    do, stops the program with that one line, `prog: message`, instead of a traceback."""
-    try:
-        yield
-    except (FileNotFoundError, ValueError, RuntimeError) as e:
-        raise SystemExit(f"{prog}: {e}") from None
-
-
-def resolve_model_dir(name_or_path):
-    """A local folder, an alias ('qwen2.5-7b', 'tiny') or a hub id → a local folder with config.json.
-    Hub ids are fetched with huggingface_hub (from its cache when present)."""
-    target = ALIASES.get(name_or_path.lower(), name_or_path) if isinstance(name_or_path, str) else name_or_path
-    if os.path.isdir(target):
-        if not os.path.exists(os.path.join(target, "config.json")):
-            raise FileNotFoundError(f"{target} has no config.json; is it an HF model folder?")
-        return target
-    if os.path.sep in target.strip("/").split("/", 1)[-1] or target.startswith((".", "/")) or target.count("/") != 1:
-        raise FileNotFoundError(f"no model folder at {target!r}, and it is not a hub id (org/name) or an alias "
-                                f"({', '.join(sorted(ALIASES))})")
-    from huggingface_hub import snapshot_download
-
-    patterns = ["*.json", "*.safetensors", "*.txt", "*.jinja", "tokenizer*"]
-    try:
-        return snapshot_download(target, allow_patterns=patterns, local_files_only=True)
-    except Exception:
-        pass
-    try:
-        return snapshot_download(target, allow_patterns=patterns)
-    except Exception as e:
-        raise RuntimeError(f"could not download {target!r} from the Hugging Face hub ({type(e).__name__}: {e}). "
-                           f"If this machine is offline, fetch it elsewhere with `huggingface-cli download {target} "
-                           f"--local-dir DIR`, copy DIR here and pass --model DIR.") from None
+        path = os.path.join(folder, shard)
+        try:  # a truncated or corrupted shard: name it, rather than safetensors' bare error
+            f = safe_open(path, "pt")
+            read = lambda key: f.get_tensor(key)  # noqa: E731
+        except Exception as e:
+            raise ValueError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e}); "
+                             f"download or copy it again") from None
+        for key in keys:
+            try:
+                src = read(key)
+            except Exception as e:
+                raise ValueError(f"{path}: cannot read tensor {key} ({type(e).__name__}: {e}); the file may be "
+                                 f"truncated: download or copy it again") from None
+            if key in quant_modules:
+                name, m = quant_modules[key]
+                expected = (m.out_features, m.in_features)
+                if tuple(src.shape) != expected:
+                    raise ValueError(f"{path}: {key} has shape {tuple(src.shape)}, but config.json makes it {expected}")
+                m.set_weight(src.to(model.device), key)
+                continue
+            dst = wanted[key]
+            if src.shape != dst.shape:
+                raise ValueError(f"{path}: {key} has shape {tuple(src.shape)}, but config.json makes it "
+                                 f"{tuple(dst.shape)}")
+            dst.copy_(src.to(dst.dtype) if dst.is_floating_point() and dst.dtype.itemsize > 1 else src)
 
 
 def read_config(name_or_path):
     """(folder, config.json as a dict, Config) of a model folder, alias or hub id: Config raises for an
     architecture this decoder does not implement, so a CLI can check its --model before loading anything."""
-    folder = resolve_model_dir(name_or_path)
-    with open(os.path.join(folder, "config.json")) as f:
-        raw = json.load(f)
-    return folder, raw, Config(raw)
-
-
-def load_tokenizer(name_or_path):
-    """The checkpoint's tokenizer (with its chat template), through transformers."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(resolve_model_dir(name_or_path))
-
-
-def stop_token_ids(tokenizer):
-    """Every id that ends a chat turn: eos, and Qwen's <|im_end|> / <|endoftext|> when present."""
-    ids = {tokenizer.eos_token_id}
-    for t in ("<|im_end|>", "<|endoftext|>"):
-        i = tokenizer.convert_tokens_to_ids(t)
-        if isinstance(i, int) and i != tokenizer.unk_token_id:
-            ids.add(i)
-    return sorted(i for i in ids if isinstance(i, int) and i >= 0)
+    folder, raw = read_config_json(name_or_path)
+    try:
+        return folder, raw, Config(raw)
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{os.path.join(folder, 'config.json')}: missing or malformed field {e}") from None

@@ -36,20 +36,32 @@ code for code:
 - K must be a multiple of 16 (every linear of the Qwen2.5 family is); otherwise quantize() raises
   rather than padding silently. NaN or Inf in a weight raises with the tensor's name.
 
+Fused groups in the checkpoint. vLLM runs q/k/v of a layer as one linear (qkv_proj) and gate/up as
+one (gate_up_proj), each holding a single global scale; fed separate ones it keeps one of them and warns
+that accuracy may degrade. So save_quantized gives every member of such a group the group's scale,
+448*6 / (the largest amax of its members), the smallest of their own, as llm-compressor writes NVFP4
+checkpoints: on a float32 model its NVFP4A16 output equals ours tensor for tensor
+(tests/test_nvfp4_export.py). (On a bf16 model llm-compressor computes the scales in bf16, we in
+float32: a few block scales and codes differ by one step, with the same error.) In memory the fused
+QuantLinear (fp4_gemm.QuantLinear.concat) instead keeps each member's own scale per row, which is
+exact and a little more accurate for the members with the smaller amax.
+
 This file is the pure format: quantize / dequantize / pack, and checkpoint I/O
 (`python nvfp4.py --model SRC --out DST`). It imports no kernel; the module that computes with
-these tensors, QuantLinear, lives with its kernels in fp4_gemm.py.
+these tensors, QuantLinear, lives with its kernels in fp4_gemm.py; the CLI takes its model resolver and
+its output-folder rules from hub.py.
 """
 import argparse
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+import hub  # where models come from and outputs go: imports nothing of the project
 
 BLOCK = 16  # elements per FP8 block scale
 FP4_MAX = 6.0
@@ -61,6 +73,8 @@ _MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 # The decoder linears QeRL quantizes; embeddings, norms and lm_head stay in high precision.
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The linears vLLM fuses into one (qkv_proj, gate_up_proj): the checkpoint gives each group one global scale.
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 @dataclass
@@ -112,8 +126,19 @@ def global_scale_of(w):
     return gs.reshape(1).to(torch.float32)
 
 
-def quantize(w, name="weight"):
-    """(N, K) float weight → NVFP4Tensor. `name` is only used in error messages."""
+def shared_global_scale(weights):
+    """One global scale for a fused group (q/k/v, or gate/up, of one layer): 448*6 over the group's
+    amax. It equals the smallest of the members' own global scales, which is what llm-compressor
+    stores for every member, so that the layer vLLM fuses from them has one exact scale."""
+    amax = max(w.abs().max().float() for w in weights)
+    gs = FP8_MAX * FP4_MAX / amax if amax > 0 else torch.tensor(1.0)
+    return gs.reshape(1).to(torch.float32)
+
+
+def quantize(w, name="weight", global_scale=None):
+    """(N, K) float weight → NVFP4Tensor. `name` is only used in error messages. `global_scale`
+    (float32, shape (1,)) replaces the tensor's own 448*6/amax, for a fused group sharing one
+    (shared_global_scale); it may not exceed the tensor's own, or the largest blocks would clip."""
     if w.dim() != 2:
         raise ValueError(f"{name}: NVFP4 quantizes 2-D weights, got shape {tuple(w.shape)}")
     n, k = w.shape
@@ -125,6 +150,15 @@ def quantize(w, name="weight"):
         bad = (~torch.isfinite(w)).sum().item()
         raise ValueError(f"{name}: {bad} NaN/Inf values in the weight; refusing to quantize a broken tensor")
     gs = global_scale_of(w).to(w.device)
+    if global_scale is not None:
+        shared = torch.as_tensor(global_scale, dtype=torch.float32).reshape(1).to(w.device)
+        if not (torch.isfinite(shared).all() and shared.item() > 0):
+            raise ValueError(f"{name}: global_scale must be a positive finite number, got {shared.item()}")
+        if w.abs().max() > 0 and shared.item() > gs.item():
+            raise ValueError(f"{name}: global_scale {shared.item():.6g} exceeds the weight's own "
+                             f"{gs.item():.6g} (448*6/amax): its largest blocks would clip; compute it "
+                             f"over a group that includes this weight (shared_global_scale)")
+        gs = shared
     blocks = w.reshape(n, k // BLOCK, BLOCK)  # (N, K/16, 16)
     amax = blocks.abs().amax(dim=-1)  # (N, K/16)
     scale = (gs * (amax / FP4_MAX)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
@@ -176,6 +210,26 @@ def is_nvfp4_config(config):
     return "nvfp4-pack-quantized" in formats
 
 
+def fused_group(key, keys=None):
+    """The checkpoint keys quantized with one shared global scale together with `key`: q/k/v of its
+    layer, or gate/up of its layer (those present in `keys`, when given); (key,) for o_proj, down_proj.
+    vLLM runs each group as one fused linear (qkv_proj, gate_up_proj) that holds a single global scale
+    (given separate ones it keeps the largest amax's and warns), so a checkpoint for vLLM must share it,
+    as llm-compressor's NVFP4 schemes write it."""
+    parts = key.split(".")  # model.layers.3.self_attn.q_proj.weight
+    prefix, name = ".".join(parts[:-2]), parts[-2]
+    for group in FUSED_GROUPS:
+        if name in group:
+            members = tuple(f"{prefix}.{n}.weight" for n in group)
+            return tuple(m for m in members if keys is None or m in keys) or (key,)
+    return (key,)
+
+
+def _read_tensor(folder, shard, key):
+    with safe_open(os.path.join(folder, shard), "pt") as f:
+        return f.get_tensor(key)
+
+
 def is_quantized_key(key):
     """model.layers.3.mlp.up_proj.weight → True: the weights this format replaces."""
     parts = key.split(".")
@@ -192,27 +246,37 @@ def weight_map(folder):
     path = os.path.join(folder, "model.safetensors")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json")
-    with safe_open(path, "pt") as f:
-        return {k: "model.safetensors" for k in f.keys()}
+    try:
+        with safe_open(path, "pt") as f:
+            return {k: "model.safetensors" for k in f.keys()}
+    except Exception as e:  # truncated or not safetensors: name the file
+        raise ValueError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e}); "
+                         f"download or copy it again") from None
 
 
-def save_quantized(src, dst, progress=True):
+def save_quantized(src, dst, progress=True, force=False):
     """Quantize the decoder linears of the HF checkpoint folder `src` into `dst`, shard by shard
     (one tensor in memory at a time, so a 32B model needs no 64 GB of RAM). Everything else
     (embeddings, norms, lm_head, biases) is copied unchanged; tokenizer files come along.
-    The folder appears atomically: written under a temporary name, then renamed."""
-    from tqdm import tqdm
-
+    The folder appears atomically: written under a temporary name, then renamed; the temporary folder
+    goes on any failure. `dst` may replace only an earlier output of this command, or, with force, any
+    folder but `src` or one holding it, or the current folder (hub.check_out)."""
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
     if config.get("quantization_config"):
         raise ValueError(f"{src} is already quantized ({config['quantization_config'].get('quant_method')})")
+    with hub.new_folder(dst, "nvfp4.py", sources=[src], force=force) as tmp:
+        _write_quantized(src, tmp, config, progress)
+    return dst
+
+
+def _write_quantized(src, tmp, config, progress):
+    """save_quantized's work, into the empty folder tmp."""
+    from tqdm import tqdm
+
     keys = weight_map(src)
     shards = sorted(set(keys.values()))
-    parent = os.path.dirname(os.path.abspath(dst))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".nvfp4-", dir=parent)
-    written = {}
+    written, group_scales = {}, {}  # fused group (tuple of keys) -> its shared global scale
     bar = tqdm(total=len(keys), desc="quantizing to NVFP4", unit="tensor", disable=not progress)
     for i, shard in enumerate(shards):
         out = {}
@@ -220,11 +284,15 @@ def save_quantized(src, dst, progress=True):
             for key in f.keys():
                 t = f.get_tensor(key)
                 if is_quantized_key(key):
-                    q = quantize(t, name=key)
+                    members = fused_group(key, keys)
+                    if members not in group_scales:  # read the group's other members (any shard) once
+                        group_scales[members] = shared_global_scale(
+                            [t if m == key else _read_tensor(src, keys[m], m) for m in members])
+                    q = quantize(t, name=key, global_scale=group_scales[members])
                     base = key[: -len("weight")]
                     out[base + "weight_packed"] = q.packed
                     out[base + "weight_scale"] = q.scale
-                    out[base + "weight_global_scale"] = q.global_scale
+                    out[base + "weight_global_scale"] = q.global_scale.clone()  # (a group's members share one)
                 else:
                     out[key] = t
                 bar.update(1)
@@ -242,23 +310,24 @@ def save_quantized(src, dst, progress=True):
         if name.startswith("tokenizer") or name in ("vocab.json", "merges.txt", "special_tokens_map.json",
                                                    "generation_config.json", "chat_template.jinja"):
             shutil.copy(os.path.join(src, name), os.path.join(tmp, name))
-    if os.path.exists(dst):
-        shutil.rmtree(dst)
-    os.replace(tmp, dst)
-    return dst
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description="Quantize an HF Qwen2/Llama checkpoint's decoder linears to NVFP4 "
                                                  "(compressed-tensors nvfp4-pack-quantized layout).")
     parser.add_argument("--model", required=True, help="local HF folder, alias (qwen2.5-7b, tiny) or hub id")
-    parser.add_argument("--out", required=True, help="output folder (replaced if it exists)")
-    args = parser.parse_args()
-    from model import read_config, stop_on_bad_input  # only the CLI needs the alias/hub resolver
-
-    with stop_on_bad_input("nvfp4.py"):  # a missing model, or one of an architecture model.py lacks
-        src = read_config(args.model)[0]
-    save_quantized(src, args.out)
+    parser.add_argument("--out", required=True, help="output folder: new, empty, or an earlier output of this "
+                        "command (which it replaces)")
+    parser.add_argument("--force", action="store_true", help="replace a non-empty --out this command did not "
+                        "write (never the source, the current folder or one holding them)")
+    args = parser.parse_args(argv)
+    with hub.stop_on_bad_input("nvfp4.py"):  # a missing model or an unusable --out, before any work
+        src, config = hub.read_config_json(args.model)
+        if config.get("quantization_config"):
+            raise ValueError(f"{src} is already quantized ({config['quantization_config'].get('quant_method')}); "
+                             f"pass the unquantized checkpoint")
+        hub.check_out(args.out, "nvfp4.py", sources=[src], force=args.force)
+        save_quantized(src, args.out, force=args.force)  # (unreadable shards name themselves)
     mb = sum(os.path.getsize(os.path.join(args.out, f)) for f in os.listdir(args.out)) / 2**20
     print(f"wrote {args.out} ({mb:.1f} MiB)")
 

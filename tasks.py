@@ -8,18 +8,23 @@ Two kinds of grading
 --------------------
 "gsm8k" -- the answer is a number. Gold is a dataset answer ending in `#### N` (GSM8K's solutions) or
 the bare number. From a completion we take, in this order:
-    1. the number after its last `####` (the form the GSM8K prompt asks for),
-    2. else the last number inside its last `\\boxed{}` (models trained on MATH box by habit),
-    3. else the last number anywhere in the text.
+    1. the number after its last `####` (the form our GSM8K prompt asks for),
+    2. else the first number inside its last closed `<answer>...</answer>` (the official prompt's form),
+    3. else the last number inside its last `\\boxed{}` (models trained on MATH box by habit),
+    4. else the last number anywhere in the text.
+The lenient grader (the default) uses all four; the strict one (`strict=True`) only 1 and 2, so an
+answer counts only where the prompt asked for it and the format has to be learned.
 Numbers are read forgivingly and compared exactly as rationals: `1,000` (thousands commas), `$18`,
 `\\$18`, `18 dollars`, `18.` (trailing period), `18.00` == `18`, `-3` (and the Unicode minus),
 `50%` == `50` (GSM8K's gold is the bare number of percent), `\\frac{3}{4}` and `3/4` in the two explicit
 answer spots. Comparison is exact (Fraction), not float-close: GSM8K answers are short decimals.
 
-"math" -- gold is a LaTeX answer (MATH500 `answer`, AIME/AMC integers); a gold that still contains a
-`\\boxed{}` (a whole solution) is reduced to its last box. From a completion we take the content of the
-LAST `\\boxed{...}` (or `\\fbox{...}`), with nested braces matched; no box, or a box cut off before its
-closing brace, means no answer. The two are then judged by
+"math" -- gold is a LaTeX answer (MATH500 `answer`, AIME/AMC integers, BigMath / DAPO-Math `solution`); a
+gold that still contains a `\\boxed{}` (a whole solution) is reduced to its last box. From a completion we
+take the content of the LAST `\\boxed{...}` (or `\\fbox{...}`), with nested braces matched, else that of
+its last closed `<answer>` tag; none of these, or a box cut off before its closing brace, means no
+answer. This is strict already, so both modes grade math alike: a LaTeX answer has no "last number".
+Gold and answer are then judged by
     1. a string match after light normalization (`\\dfrac`->`\\frac`, no `\\left`/`\\right`, spacing,
        `\\text{}` wrappers, degrees, percent and dollar signs, trailing period), which is fast and catches
        most equal answers, else
@@ -40,20 +45,41 @@ chat template has a user role; not all have a system role), then rendered with t
 template and the assistant header (`add_generation_prompt=True`).
 - math: "Please reason step by step, and put your final answer within \\boxed{}." -- the paper's setup
   for MATH-style data (also Qwen2.5-Math's and DeepSeek-R1's evaluation prompt).
-- gsm8k: the official QeRL GSM8K recipe (`utils/data.py: get_gsm8k_questions`) appends to the question an
-  instruction to think step by step inside `<think> </think>` tags and then write the final answer after
-  `####`, and pays a separate 0.2 reward for the think tags. We keep the step-by-step + `####` request
-  but drop the think tags: the Qwen2.5 instruct models we train are not thinking models, and our
-  optional format reward checks the `#### N` line instead.
+- gsm8k: step by step, the final answer after `####` (GSM8K's own solution format).
+- prompt="official" (`get_task(kind, prompt="official")`): the official QeRL system prompt
+  (OFFICIAL_SYSTEM_PROMPT: reasoning in `<think> </think>`, the answer in `<answer> </answer>`) and
+  the bare question as the user message, as the official code asks BigMath problems and evaluates
+  GSM8K (its GSM8K *training* prompt is the bare question alone: the system prompt is commented out,
+  so the tags that its reward pays for are never asked for).
 The synthetic `arith` task (arith.py) is graded and prompted as gsm8k.
 
 Reward
 ------
-`reward(kind, completion, gold, signed=False, format_weight=0.0) -> (total, parts)`:
-    correct = 1 if right else 0          (signed=True: +1 / -1, the DAPO recipe's accuracy reward)
-    format  = format_weight * [the completion gave a final answer in the instructed form:
-                               a `#### N` line for gsm8k, a closed non-empty `\\boxed{}` for math]
+`reward(kind, completion, gold, strict=False, signed=False, format_weight=0.0, prompt="ours")
+-> (total, parts)`:
+    correct = 1 if grade(..., strict) else 0   (signed=True: +1 / -1, the DAPO recipe's accuracy reward)
+    format  = format_weight * [prompt "ours": the completion gave a final answer in an explicit spot
+                               (has_final_answer: `#### N` / `<answer>` for gsm8k, a closed non-empty
+                               `\\boxed{}` / `<answer>` for math);
+                               prompt "official": `<think>...</think>` then `<answer>...</answer>`
+                               (think_answer_format, the official soft format reward)]
     total   = correct + format,  parts = {"correct": ..., "format": ...}
+
+What the official code trains with, and what the paper reports (NVlabs/QeRL; results/recipe.md):
+- GSM8K training is strict: 2.0 if the text inside the answer tags equals the gold string exactly (the
+  whole completion when it has no tag), plus 0.2 for the think/answer tags. Our strict mode with
+  prompt="official" and format_weight=0.1 is that reward halved, which advantages divided by the
+  group's reward std do not see; we compare values, not strings (`18.00`, `$18` and `1,000` are
+  right), and a completion that is the bare number, with no tag, is wrong here.
+- BigMath training: 1.0 from math-verify with boxed answers tried first and no anchor-free
+  extraction, plus the same 0.2 format reward: strict mode, prompt="official", format_weight=0.2.
+  DAPO-Math: 1.0 for DAPO's last-line `Answer: X` (string match after normalization), no format
+  reward; we ask and grade it as every math problem (\\boxed{}, math-verify), format_weight=0.
+- Reported numbers: trained models' GSM8K through the official eval script (the official prompt,
+  the answer read from the tags: strict, but see eval.py for its first-character comparison); base
+  models' GSM8K through lm-eval, which prints both its strict `#### N` match and its flexible last-
+  number match; MATH500 / AIME / AMC through lighteval's math-verify, which reads the final answer
+  wherever the completion states it (lenient about format). eval.py reports both of ours side by side.
 
 Datasets
 --------
@@ -61,8 +87,14 @@ Datasets
     {"question": str, "answer": str (the short gold answer that `grade` takes), "kind": "gsm8k"|"math",
      "solution": str (worked solution, when the source has one), "id", "level", "subject" (when present)}
 Named sets: gsm8k (train/test), math500, aime24, amc23 (test; the AIME set's only hub split is "train"),
-and arith (train/test, generated). A named set is read from `<data_dir>/<name>/<split>.jsonl`, where
-data_dir defaults to $QERL_DATA, else ~/.cache/qerl/data. If that file is missing we download it from the
+arith (train/test, generated), and the paper's training sets (train only): bigmath
+(open-r1/Big-Math-RL-Verified-Processed, config level_3_4_5), bigmath-hard (config level_4_5) and
+dapo-math (open-r1/DAPO-Math-17k-Processed, config en). These are read in their hub schema (`prompt`
+is the problem, `solution` the short answer; DAPO's `prompt` wraps the problem in its "Answer:"
+instruction, which we remove) and filtered as the official code does (prompts over 1024 characters
+dropped); they are graded as math (math-verify).
+A named set is read from `<data_dir>/<name>/<split>.jsonl`, where data_dir defaults to $QERL_DATA, else
+~/.cache/qerl/data. If that file is missing we download it from the
 Hugging Face Hub with `huggingface_hub` (the file for the split is found by listing the repo) and cache
 it there; offline (no network, or HF_HUB_OFFLINE=1) that fails with an error naming the path to put the
 file at. Hub sources: openai/gsm8k (config "main", parquet: needs pyarrow), HuggingFaceH4/MATH-500,
@@ -88,6 +120,13 @@ from pathlib import Path
 KINDS = ("gsm8k", "math")
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+# The official QeRL system prompt (utils/data.py for BigMath, eval/gsm8k.py), without its source
+# indentation: reasoning in <think> tags, the answer in <answer> tags.
+OFFICIAL_SYSTEM_PROMPT = (
+    "Solve the following math problem step by step. The reasoning process and direct answer are enclosed "
+    "within <think> </think> and <answer> </answer> tags, respectively, i.e., <think> reasoning process here "
+    "</think> <answer> answer here </answer>: \n<think>\n...\n</think>\n<answer>\n...\n</answer>")
+PROMPT_STYLES = ("ours", "official")
 DEFAULT_TIMEOUT = 5  # seconds for each math-verify parse / comparison (signal.alarm takes whole seconds)
 
 # ---------------------------------------------------------------------------------------------------
@@ -103,6 +142,9 @@ _NUMBER_RE = re.compile(_NUM)
 _VALUE_RE = re.compile(rf"(-?)\\[dt]?frac\{{\s*({_NUM})\s*\}}\{{\s*({_NUM})\s*\}}"
                        rf"|({_NUM})\s*/\s*({_NUM})|({_NUM})")
 _HASH_RE = re.compile(r"####([^\n]*)")
+_ANSWER_TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+# The official "soft format" check: reasoning in think tags, then the answer in answer tags.
+_THINK_ANSWER_RE = re.compile(r"<think>.*?</think>\s*<answer>.*?</answer>", re.DOTALL)
 
 
 def _to_fraction(text):
@@ -169,12 +211,26 @@ def extract_boxed(text):
     return None
 
 
-def _gsm8k_value(text):
-    """The number a completion gives as its answer: `#### N`, else last \\boxed{}, else the last number."""
+def extract_answer_tag(text):
+    """Content of the LAST closed `<answer>...</answer>` in text (stripped), or None."""
+    tags = _ANSWER_TAG_RE.findall(text)
+    return tags[-1].strip() if tags else None
+
+
+def _gsm8k_value(text, strict=False):
+    """The number a completion gives as its answer: `#### N`, else the last `<answer>` tag; lenient
+    (strict=False) then falls back to the last \\boxed{}, else the last number anywhere."""
     for seg in reversed(_HASH_RE.findall(text)):
         vals = _values(seg)
         if vals:
             return vals[0]
+    tag = extract_answer_tag(text)
+    if tag is not None:
+        vals = _values(tag)
+        if vals:
+            return vals[0]
+    if strict:
+        return None
     boxed = extract_boxed(text)
     if boxed is not None:
         vals = _values(boxed)
@@ -207,23 +263,37 @@ def _fmt(v):
     return f"{v.numerator}/{v.denominator}"
 
 
-def extract_answer(kind, completion):
+def _math_pred(text):
+    """A math completion's answer: its last \\boxed{} content, else its last `<answer>` tag's (a box inside
+    the tag was found first). Non-empty or None."""
+    pred = extract_boxed(text)
+    if pred is None:
+        pred = extract_answer_tag(text)
+    return pred if pred is not None and pred.strip() else None
+
+
+def extract_answer(kind, completion, strict=False):
     """The final answer a completion gives, as text (gsm8k: the number, canonical; math: the last box
-    content), or None when it gives none."""
+    content, else the answer tag's), or None when it gives none (see grade for strict)."""
     _check_kind(kind)
     if kind == "gsm8k":
-        v = _gsm8k_value(completion)
+        v = _gsm8k_value(completion, strict)
         return None if v is None else _fmt(v)
-    return extract_boxed(completion)
+    return _math_pred(completion)
 
 
 def has_final_answer(kind, completion):
-    """Whether the completion states a final answer in the form its prompt asked for."""
+    """Whether the completion states a final answer in an explicit answer spot: a `#### N` line or an
+    `<answer>` tag holding a number (gsm8k), a closed non-empty `\\boxed{}` or `<answer>` tag (math)."""
     _check_kind(kind)
     if kind == "gsm8k":
-        return any(_values(seg) for seg in _HASH_RE.findall(completion))
-    boxed = extract_boxed(completion)
-    return boxed is not None and boxed.strip() != ""
+        return _gsm8k_value(completion, strict=True) is not None
+    return _math_pred(completion) is not None
+
+
+def think_answer_format(completion):
+    """The official format check: `<think>...</think>` followed by `<answer>...</answer>`, anywhere."""
+    return _THINK_ANSWER_RE.search(completion) is not None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -373,37 +443,50 @@ def _check_kind(kind):
         raise ValueError(f"unknown task kind {kind!r}; kinds are {KINDS}")
 
 
-def grade(kind, completion, gold, timeout=DEFAULT_TIMEOUT):
+def grade(kind, completion, gold, timeout=DEFAULT_TIMEOUT, *, strict=False):
     """True when `completion` (free model text) gives the `gold` answer. kind "gsm8k": gold is a dataset
-    answer with `#### N` or the bare number; kind "math": gold is a LaTeX answer (see module doc)."""
+    answer with `#### N` or the bare number; kind "math": gold is a LaTeX answer (see module doc).
+    strict: the answer counts only in an explicit answer spot (gsm8k: `#### N` or `<answer>`; the
+    lenient default also reads the last box, else the last number anywhere). Math is always strict."""
     _check_kind(kind)
     if kind == "gsm8k":
-        v = _gsm8k_value(completion)
+        v = _gsm8k_value(completion, strict)
         return v is not None and v == _gsm8k_gold(gold)
-    pred = extract_boxed(completion)
-    if pred is None or not pred.strip():
+    pred = _math_pred(completion)
+    if pred is None:
         return False
     gold = str(gold)
     gold_box = extract_boxed(gold)
     return math_equal(gold if gold_box is None else gold_box, pred, timeout)
 
 
-def reward(kind, completion, gold, *, signed=False, format_weight=0.0):
-    """(total, parts): correctness 1/0 (signed: +1/-1, as DAPO) plus format_weight if the completion
-    gave its final answer in the instructed form; parts = {"correct", "format"} sum to total."""
-    ok = grade(kind, completion, gold)
+def reward(kind, completion, gold, *, strict=False, signed=False, format_weight=0.0, prompt="ours"):
+    """(total, parts): correctness 1/0 (signed: +1/-1, as DAPO), graded strict or lenient (see grade),
+    plus format_weight if the completion has the prompted form: an explicit final answer (prompt "ours":
+    has_final_answer) or think-then-answer tags (prompt "official": think_answer_format, the official
+    soft format reward). parts = {"correct", "format"} sum to total."""
+    if prompt not in PROMPT_STYLES:
+        raise ValueError(f"unknown prompt style {prompt!r}; styles are {PROMPT_STYLES}")
+    ok = grade(kind, completion, gold, strict=strict)
     correct = (1.0 if ok else -1.0) if signed else float(ok)
-    fmt = float(format_weight) * float(has_final_answer(kind, completion))
+    shaped = think_answer_format(completion) if prompt == "official" else has_final_answer(kind, completion)
+    fmt = float(format_weight) * float(shaped)
     return correct + fmt, {"correct": correct, "format": fmt}
 
 
 @dataclass(frozen=True)
 class Task:
-    """A kind of problem: how to ask it, how to read the answer, how to judge it."""
+    """A kind of problem: how to ask it, how to read the answer, how to judge it. prompt "ours": the
+    instruction follows the question in one user message; "official": the official system prompt, then
+    the bare question."""
     kind: str
     instruction: str
+    prompt: str = "ours"
 
     def messages(self, question):
+        if self.prompt == "official":
+            return [{"role": "system", "content": OFFICIAL_SYSTEM_PROMPT},
+                    {"role": "user", "content": question.strip()}]
         return [{"role": "user", "content": f"{question.strip()}\n{self.instruction}"}]
 
     def build_prompt(self, tokenizer, question):
@@ -416,22 +499,25 @@ class Task:
         """build_prompt's token ids: the template already holds every special token."""
         return tokenizer(self.build_prompt(tokenizer, question), add_special_tokens=False)["input_ids"]
 
-    def extract(self, completion):
-        return extract_answer(self.kind, completion)
+    def extract(self, completion, strict=False):
+        return extract_answer(self.kind, completion, strict)
 
-    def grade(self, completion, gold):
-        return grade(self.kind, completion, gold)
+    def grade(self, completion, gold, strict=False):
+        return grade(self.kind, completion, gold, strict=strict)
 
     def reward(self, completion, gold, **kw):
-        return reward(self.kind, completion, gold, **kw)
+        return reward(self.kind, completion, gold, prompt=self.prompt, **kw)
 
 
 TASKS = {"gsm8k": Task("gsm8k", GSM8K_INSTRUCTION), "math": Task("math", MATH_INSTRUCTION)}
 
 
-def get_task(kind):
+def get_task(kind, prompt="ours"):
+    """The Task of a kind, asked with our instruction (prompt "ours") or the official system prompt."""
     _check_kind(kind)
-    return TASKS[kind]
+    if prompt not in PROMPT_STYLES:
+        raise ValueError(f"unknown prompt style {prompt!r}; styles are {PROMPT_STYLES}")
+    return TASKS[kind] if prompt == "ours" else Task(kind, TASKS[kind].instruction, prompt)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -443,14 +529,59 @@ class HubSource:
     repo_id: str
     splits: dict  # our split name -> the hub's split name
     config: str = ""  # folder of the repo holding this config's files ("" = the whole repo)
+    prepare: object = None  # raw hub row -> a row with question/answer fields, or None to drop it
 
 
-# name -> (grading kind, where to get it). arith is generated by arith.py, not downloaded.
+# The wrapper DAPO-Math-17k puts around each problem (its "Answer: X" last-line format); we strip it so
+# the problem is asked like every other math problem (\boxed{}), graded by one judge.
+_DAPO_HEAD = ("Solve the following math problem step by step. The last line of your response should be of "
+              "the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
+_DAPO_TAIL = '\n\nRemember to put your answer on its own line after "Answer:".'
+MAX_PROMPT_CHARS = 1024  # the official length filter on BigMath / DAPO-Math prompts, in characters
+
+
+def _bigmath_row(row):
+    """open-r1/Big-Math-RL-Verified-Processed: `prompt` is the problem, `solution` the short answer
+    (LaTeX, checked parseable by math-verify when the set was built); `source`, `domain`,
+    `llama8b_solve_rate` describe it. Problems over MAX_PROMPT_CHARS are dropped, as officially."""
+    if not isinstance(row.get("prompt"), str) or len(row["prompt"]) > MAX_PROMPT_CHARS:
+        return None
+    out = {"question": row["prompt"], "answer": row.get("solution")}
+    if row.get("source") is not None:
+        out["subject"] = row["source"]
+    return out
+
+
+def _dapo_row(row):
+    """open-r1/DAPO-Math-17k-Processed: `prompt` is the user message of `source_prompt` (the problem in
+    DAPO's wrapper), `solution` the integer answer (`reward_model.ground_truth`). The official filter
+    (source_prompt's content over MAX_PROMPT_CHARS) runs on the wrapped text; the wrapper is then removed."""
+    text = row.get("prompt")
+    src = row.get("source_prompt")
+    if isinstance(src, list) and src and isinstance(src[0], dict):
+        text = src[0].get("content", text)
+    if not isinstance(text, str) or len(text) > MAX_PROMPT_CHARS:
+        return None
+    question = text.removeprefix(_DAPO_HEAD).removesuffix(_DAPO_TAIL)
+    out = {"question": question, "answer": row.get("solution")}
+    info = row.get("extra_info")
+    if isinstance(info, dict) and info.get("index") is not None:
+        out["id"] = info["index"]
+    return out
+
+
+# name -> (grading kind, where to get it). arith is generated by arith.py, not downloaded. The paper's
+# training sets (bigmath, bigmath-hard, dapo-math) have only a train split.
+_BIGMATH = "open-r1/Big-Math-RL-Verified-Processed"
 DATASETS = {
     "gsm8k": ("gsm8k", HubSource("openai/gsm8k", {"train": "train", "test": "test"}, config="main")),
     "math500": ("math", HubSource("HuggingFaceH4/MATH-500", {"test": "test"})),
     "aime24": ("math", HubSource("HuggingFaceH4/aime_2024", {"test": "train"})),
     "amc23": ("math", HubSource("math-ai/amc23", {"test": "test"})),
+    "bigmath": ("math", HubSource(_BIGMATH, {"train": "train"}, config="level_3_4_5", prepare=_bigmath_row)),
+    "bigmath-hard": ("math", HubSource(_BIGMATH, {"train": "train"}, config="level_4_5", prepare=_bigmath_row)),
+    "dapo-math": ("math", HubSource("open-r1/DAPO-Math-17k-Processed", {"train": "train"}, config="en",
+                                    prepare=_dapo_row)),
     "arith": ("gsm8k", None),
 }
 
@@ -506,9 +637,10 @@ def _normalize(row, kind):
     return rec
 
 
-def read_jsonl(path, kind=None, limit=None):
-    """Records from a jsonl file (see module doc for the fields). Raises ValueError listing every
-    malformed line as `path:line: reason`."""
+def read_jsonl(path, kind=None, limit=None, prepare=None):
+    """Records from a jsonl file (see module doc for the fields). `prepare` maps each raw row first (a
+    hub set's own schema; None from it drops the row). Raises ValueError listing every malformed line
+    as `path:line: reason`."""
     path = Path(path)
     records, errors = [], []
     with open(path, encoding="utf-8") as f:
@@ -516,7 +648,12 @@ def read_jsonl(path, kind=None, limit=None):
             if not line.strip():
                 continue
             try:
-                rec = _normalize(json.loads(line), kind)
+                row = json.loads(line)
+                if prepare is not None and isinstance(row, dict):
+                    row = prepare(row)
+                    if row is None:
+                        continue
+                rec = _normalize(row, kind)
             except json.JSONDecodeError as e:
                 rec = f"invalid JSON ({e.msg} at column {e.colno})"
             if isinstance(rec, str):
@@ -589,10 +726,17 @@ def _download(name, source, split, path):
                     f.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
             os.replace(tmp, path)
             return
+    if source.prepare is not None:  # a hub set in its own schema: get the hub's rows as they are
+        how = (f"On a machine with network run `python tasks.py --data {name} --split {split}` (it downloads "
+               f"{source.repo_id}, config {source.config!r}, split {source.splits[split]!r}, and caches the raw "
+               f"rows as jsonl under its $QERL_DATA or ~/.cache/qerl/data) and copy {name}/{split}.jsonl "
+               f"from there to {path}; or write the rows of that split's parquet files to {path}, one "
+               f"JSON object a line in the hub's own fields")
+    else:
+        how = "Put the split there as jsonl (one object a line with 'question' or 'problem', and 'answer')"
     raise FileNotFoundError(
         f"dataset {name!r} split {split!r}: no local file at {path} and {reason}.\n"
-        f"Put the split there as jsonl (one object a line with 'question' or 'problem', and 'answer'), "
-        f"or set QERL_DATA / pass data_dir to the folder holding {name}/{split}.jsonl, "
+        f"{how}, or set QERL_DATA / pass data_dir to the folder holding {name}/{split}.jsonl, "
         f"or pass the path of a .jsonl file instead of the name.")
 
 
@@ -611,7 +755,7 @@ def load_dataset(name_or_path, split="test", limit=None, data_dir=None):
         path = dataset_path(name, split, data_dir)
         if not path.exists():
             _download(name, source, split, path)
-        return read_jsonl(path, kind=kind, limit=limit)
+        return read_jsonl(path, kind=kind, limit=limit, prepare=source.prepare)
     path = Path(name).expanduser()
     if path.is_file():
         return read_jsonl(path, limit=limit)

@@ -5,7 +5,7 @@ policy is a ~0.9 M-parameter Qwen2-architecture model trained here, by supervise
 the synthetic arithmetic task. It is an ordinary Hugging Face checkpoint (config.json +
 model.safetensors + tokenizer), loaded by the same `model.Transformer.from_pretrained` as Qwen2.5.
 
-    python tiny.py --out assets/tiny --seed 0        # ~14 min on 1 CPU thread; ~1.5 min on a GPU
+    python tiny.py --out assets/tiny --seed 0 --force    # ~14 min on 1 CPU thread; ~1.5 min on a GPU
 
 Architecture (constraints from the rest of the project):
 - Every linear is a multiple of 16 in and out (NVFP4 scales one FP8 number per 16 weights):
@@ -38,12 +38,11 @@ therefore mostly sharpening, not new arithmetic. The measured numbers go to the 
 
 The held-out numbers at the end are measured through the project's own stack (eval.evaluate: model.py,
 NVFP4 via fp4_gemm, rollout.generate, tasks.grade), unquantized and NVFP4; `--report-only` re-measures an
-existing checkpoint. Progress during training uses a small KV-cached sampler on the transformers model
-(`sample` below), so that training needs nothing from the project but arith.py and tasks.py.
+existing checkpoint. Progress during training samples the transformers model being trained through the
+same rollout.generate (on its weights, `as_policy`).
 """
 
 import argparse
-import inspect
 import json
 import math
 import os
@@ -55,6 +54,7 @@ import torch
 import torch.nn.functional as F
 
 import arith
+import hub
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Qwen2's pre-tokenizer split (its tokenizer.json): words with one leading non-letter, single digits,
@@ -71,7 +71,9 @@ CHAT_TEMPLATE = (
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="assets/tiny", help="checkpoint folder to write")
+    p.add_argument("--out", default="runs/tiny", help="checkpoint folder to write: new, empty or an earlier "
+                   "tiny.py output (the bundled assets/tiny is rewritten only when named, with --force)")
+    p.add_argument("--force", action="store_true", help="write into a non-empty --out that tiny.py did not write")
     p.add_argument("--seed", type=int, default=0, help="seed for data, initialisation and batch order")
     p.add_argument("--steps", type=int, default=1000, help="SFT optimizer steps (sets how competent the policy ends up)")
     p.add_argument("--batch-size", type=int, default=64, help="sequences per step")
@@ -185,52 +187,27 @@ def make_batch(pairs, idx, pad_id, device):
     return tokens.to(device), labels.to(device)
 
 
+def as_policy(hf_model):
+    """Our model.Transformer holding a transformers Qwen2 model's weights (the same tensors, no copy), so
+    that held-out sampling during training goes through rollout.generate, the project's one sampler."""
+    import model as M
+
+    ours = M.Transformer(M.Config(hf_model.config.to_dict()), dtype=hf_model.dtype).to(hf_model.device)
+    state = {k.removeprefix("model."): v for k, v in hf_model.state_dict().items()}
+    ours.load_state_dict(state, strict=True, assign=True)  # (our names are HF's without "model.")
+    return ours.eval()
+
+
 @torch.no_grad()
 def sample(model, prompts, n, max_new_tokens, temperature, eos_id, pad_id, generator):
-    """A small KV-cached sampling loop on the HF model: each prompt n times, left-padded; temperature 0
-    is greedy. Returns completion token lists (eos excluded). Kept here so that training needs nothing
-    from the project but arith.py and tasks.py."""
-    from transformers import DynamicCache
+    """Each prompt n times through rollout.generate on the transformers model's weights (temperature 0:
+    greedy), the seed drawn from `generator`. Returns the completions' token lists, eos excluded."""
+    import rollout
 
-    device = next(model.parameters()).device
-    rows = [p for p in prompts for _ in range(n)]
-    L = max(map(len, rows))
-    tokens = torch.full((len(rows), L), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), L), dtype=torch.long)
-    for r, p in enumerate(rows):
-        tokens[r, L - len(p):] = torch.tensor(p)
-        mask[r, L - len(p):] = 1
-    tokens, mask = tokens.to(device), mask.to(device)
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (N, L) positions that ignore left padding
-    # transformers renamed the forward's cache argument (past_key_values -> cache) in 5.2x.
-    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    cache = {cache_kw: DynamicCache()}
-    out = model(input_ids=tokens, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1, **cache)
-    logits = out.logits[:, -1]  # (N, V)
-    done = torch.zeros(len(rows), dtype=torch.bool, device=device)
-    gen = []
-    next_pos = pos[:, -1] + 1  # (N,)
-    for _ in range(max_new_tokens):
-        if temperature == 0:
-            nxt = logits.argmax(-1)
-        else:
-            probs = torch.softmax(logits.float() / temperature, -1)
-            nxt = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(device)
-        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
-        gen.append(nxt)
-        done |= nxt == eos_id
-        if done.all():
-            break
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                    use_cache=True, **cache)
-        logits = out.logits[:, -1]
-        next_pos = next_pos + 1
-    gen = torch.stack(gen, 1).tolist()  # (N, steps)
-    result = []
-    for row in gen:
-        result.append(row[:row.index(eos_id)] if eos_id in row else row)
-    return result
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+    r = rollout.generate(as_policy(model), prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
+                         stop_ids=(eos_id,), seed=seed, pad_id=pad_id)
+    return [[t for t in r.tokens[i, : int(r.lengths[i])].tolist() if t != eos_id] for i in range(r.tokens.shape[0])]
 
 
 def accuracy(model, tokenizer, items, samples, generator):
@@ -280,7 +257,10 @@ def _main(args):
     if args.report_only:  # re-measure an existing checkpoint, keeping how it was trained
         meta = json.loads((out / "training.json").read_text())
         return report(out, meta, arith.load("test", args.eval_size, seed=meta["args"]["seed"]), args)
-    out.mkdir(parents=True, exist_ok=True)
+    try:  # a folder of someone else's files is never written into unasked (hub.check_out)
+        hub.claim_folder(str(out), "tiny.py", force=args.force)
+    except hub.OutputError as e:
+        raise SystemExit(f"tiny.py: {e}") from None
     t0 = time.time()
 
     train = arith.load("train", args.train_size, seed=args.seed)
@@ -336,7 +316,7 @@ def _main(args):
     save(model, tokenizer, out)
     defaults = vars(parse_args([]))
     flags = "".join(f" --{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                    if k not in ("out", "seed", "device", "report_only") and v != defaults[k])
+                    if k not in ("out", "seed", "device", "report_only", "force") and v != defaults[k])
     meta = {"command": f"python tiny.py --out {args.out} --seed {args.seed}{flags}", "args": vars(args),
             "params": n_params, "train_seconds": round(train_time, 1), "device": args.device,
             "threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -350,10 +330,11 @@ def measure(out, held, samples, device):
     fp4_gemm, rollout.generate, tasks.grade), unquantized and NVFP4: greedy, and pass@1 / pass@K at
     temperature 1 from K samples."""
     import eval as evaluation
+    import lora
 
     final = {}
     for quant in ("bf16", "nvfp4"):
-        m, tok = evaluation.load_policy(str(out), None, quant, device)
+        m, tok = lora.load_policy(str(out), None, quant, device)
         kw = dict(max_new_tokens=64, batch_size=512, seed=1)
         greedy = evaluation.evaluate(m, tok, held, "gsm8k", samples=1, temperature=0.0, top_p=1.0, **kw)
         t1 = evaluation.evaluate(m, tok, held, "gsm8k", samples=samples, temperature=1.0, top_p=1.0, **kw)
@@ -436,7 +417,7 @@ During training (first 200 held-out problems):
 The final table is measured through the project's own stack, as `python eval.py --model tiny --data arith
 --temperature 1.0 --top-p 1.0 --samples {k} --quant nvfp4|bf16` (and `--temperature 0` for greedy) would:
 model.py, fp4_gemm's NVFP4 linears, rollout.generate and tasks.grade. The training-time rows come from
-tiny.py's own sampler on the transformers model and tiny.py's exact `#### N` check.
+rollout.generate on the weights being trained and tiny.py's exact `#### N` check.
 """
 
 

@@ -3,14 +3,15 @@
 One step (QeRL, arXiv 2510.11696, Sec. 3; the algorithms in grpo.py and dapo.py):
 
     prompts ─► rollout.generate (NVFP4 base + LoRA, AQN noise on the norms) ─► completions + logprobs
-            ─► tasks.reward (+ DAPO's soft overlong penalty) ─► rewards (num_groups, G)
+            ─► tasks.reward (+ DAPO's soft overlong penalty, where on) ─► rewards (num_groups, G)
             ─► dapo.collect_informative: resample until enough groups have mixed rewards (DAPO only)
             ─► grpo.group_advantages ─► one or more update passes in micro-batches:
                logp of the completion tokens (a micro-batch as one packed row, each prompt once
                for its samples; hidden states through lm_head in chunks, so the (B, T, vocab)
-               float32 logits never exist at once), the clipped loss against the
-               behaviour policy's logprobs from the rollout, backward through the frozen NVFP4 base
-               into the LoRA parameters ─► grad-norm clip ─► AdamW ─► warm-up + cosine schedule
+               float32 logits never exist at once), the clipped loss (its ratio against the trainer's
+               own logprobs or the sampler's: --ratio), truncated completions masked out, backward
+               through the frozen NVFP4 base into the LoRA parameters and the trained RMSNorm weights
+               ─► grad-norm clip ─► AdamW ─► warm-up + cosine schedule
 
 On a GPU the update runs each decoder block through torch.compile (model.compile_blocks; off with
 --no-compile), which fuses the elementwise work between the GEMMs: a 7B micro-batch of 8 x 1280
@@ -19,7 +20,7 @@ tokens took 907 instead of 1086 ms on the H200 (results/bench_h200.md). The firs
 and sequence counts dynamic (a 1.5B shape measured one compile where torch's default made three); the
 rollout never runs compiled blocks. A micro-batch holds --micro-batch sequences where completions run to
 the limit, and more in the same memory where they stop early (micro_batches): a 7B update of 64
-completions of ~200 tokens took 1.37 instead of 1.95 s on NVFP4, 1.30 instead of 1.38 on bf16 (session 25).
+completions of ~200 tokens took 1.37 instead of 1.95 s on NVFP4, 1.30 instead of 1.38 on bf16 (results/bench_h200.md).
 The update recomputes each block's activations in backward (activation checkpointing) only where the
 largest micro-batch's would not fit in the GPU's free memory (checkpointing_on): on the H200 that took a
 fifth off a 7B or 14B RL step. Running each
@@ -30,29 +31,102 @@ from 2.0 to 1.1 s a step.
 `python train.py` with no arguments runs the bundled tiny policy (assets/tiny, trained by tiny.py)
 on the synthetic arithmetic task, on the CPU (also where there is a GPU: the run and its numbers are
 the README's there too; `--device cuda` moves it), in a few minutes. `python train.py --model qwen2.5-7b
---algo dapo` is the paper's recipe on one GPU. Defaults that depend on the model (`None` below) are
-filled by `recipe()`; every value comes from a source named there.
+--algo dapo` is the paper's recipe on one GPU. Defaults that depend on the model are filled by
+`recipe()`; `--help` after --model/--algo/--quant prints the values that recipe takes.
+
+The recipe, `--model qwen2.5-7b --algo dapo` (NVFP4), value by value. "Script" is the official
+training/dapo_qwen2.5-7b_nvfp4_single_gpu.sh of NVlabs/QeRL (with qerl.py, utils/configs.py and its
+TRL fork trl_trainer/); the 7B bf16 script differs in lr, data (BigMath) and AQN (off). The last column is where the
+bundled tiny CPU demo (`python train.py`) differs, and why.
+
+  hyperparameter        value                           source                                  tiny demo
+  base model            Qwen2.5-7B-Instruct, NVFP4      script (MODEL_PATH: an NVFP4 model)     assets/tiny
+  data                  GSM8K train                     script (DATA_NAME gsm8k)                arith
+  steps x prompts x G   500 x 16 x 8 = 128 samples      ours: the script's 1 prompt x 2 samples  30 x 16 x 8
+                        a step, ~1.07 epochs            (num_generations = per-device batch 2)
+                                                        is a one-GPU demo; G = 8 (DAPO's is 16);
+                                                        the script runs 1 epoch, as here
+  completion budget     2048 tokens                     script (GSM8K: max_completion_length)   64
+  prompt length         not cut                         script cuts at 256 (GSM8K's are shorter)
+  sampling              temperature 1.0, top-p 1.0      TRL defaults (the script sets none)
+  loss                  token mean over the batch,      script (loss_type bnpo, epsilon_high
+                        clip 0.2 / 0.28, no KL          0.28, beta 0; TRL's epsilon 0.2)
+  passes per batch      1                               script (num_iterations 1)
+  PPO ratio             against the trainer's own       script: TRL with num_iterations 1 uses
+                        logprobs: exactly 1 (--ratio)   the trainer's detached logp; sampler and
+                                                        tis are the alternatives (grpo.py)
+  dynamic sampling      on, up to 3 rounds              ours (DAPO's): TRL keeps all-equal
+                                                        groups, whose zero-advantage tokens
+                                                        only grow the token-mean's divisor
+  advantages            (r - mean) / (std + 1e-6)       script: TRL's scale_rewards, + 1e-4
+  reward                1 if right, graded strict (the  script: 2.0 strict + 0.2 for the format  lenient, no format
+                        answer where asked) + 0.1 if    (halved: advantages divide by the
+                        the answer is in that form      group's std); tasks.py says more
+  prompt                our instruction (--prompt)      ours; --prompt official: the official
+                                                        think/answer system prompt
+  truncated samples     masked out of the loss          script (mask_truncated_completions)
+  overlong penalty      off                             script (no length term in the reward)   soft, last 12 tokens
+  optimizer             AdamW, float32 states           ours: the script's adamw_8bit saves
+                                                        memory; LoRA's states are 0.3 GB at 7B
+  lr                    1e-5 (bf16 base: 5e-6)          script (the bf16 script: 5e-6)          2e-3: 30 steps
+  betas, eps            0.9, 0.99; 1e-8                 script (adam_beta1/2); torch default
+  weight decay          0.1 on LoRA, 0 on the norms     script; the HF Trainer exempts every
+                                                        parameter named like a norm
+  warm-up               10% of the steps, linear        script (warmup_ratio 0.1)               5% (1 step)
+  schedule              cosine to 0                     script (lr_scheduler_type cosine)       to 0.1 lr: 30 steps
+  grad-norm clip        0.2 (LoRA and norms together)   script (max_grad_norm)
+  LoRA                  r 16, alpha 16, dropout 0, on   script (lora_rank/alpha 16); configs.py  r 32, alpha 32: faster
+                        q,k,v,o,gate,up,down, float32   targets; PEFT's dropout default         in its first 10 steps
+  trained norms         both RMSNorms of every block    script (--ln True: qerl.py's
+                        (float32, in the optimizer)     modules_to_save)
+  AQN                   10 stages, stage 0 noise-free,  script (sigma_start/end, num_stages);
+                        sigma 1e-2 -> 1e-4, on the two  noise_scheduler.py; the paper's text
+                        norms of every block, rollout   says 5e-4; the scripts are the code
+                        only                            released with it
+  held-out eval         500 items every 50 steps,       ours                                    256, every 10, T 1.0
+                        T 0.6, top-p 0.95
+  micro-batch           8 sequences at full length      ours (memory; the sums are the batch's)  128
+
+The tiny demo takes the recipe's values except where the last column says otherwise: it keeps the lr,
+warm-up, floor, LoRA rank and soft overlong band it was tuned with (30 steps of a 0.9M-parameter model
+from a weak start), its short completions and the lenient reward of its synthetic task.
 
 Outputs, all under --out (default runs/<timestamp>): metrics.jsonl (one JSON line a step),
 samples.jsonl (a few completions a step), curves.png (refreshed as it runs), summary.json
 (baseline_accuracy, final_accuracy, wall time), adapter/ (PEFT format), checkpoint/ (adapter,
-optimizer, scheduler, step, data position and RNG, written atomically every --save-every steps;
-`--resume DIR` continues from it exactly).
+optimizer, scheduler, step, data position and RNG as tensors and JSON, written atomically every
+--save-every steps, the one before kept as checkpoint.old). `--resume DIR` continues from it exactly,
+with the run's settings (args.json): it refuses other values of any option but those RESUMABLE lists,
+and a larger --steps extends a run. A new run refuses a folder that holds an earlier one (hub.check_out's
+rules for every output folder). `--log tensorboard|wandb` also streams the metrics (optional packages).
 
-Departures from the official QeRL code: the behaviour policy's logprobs come from our own rollout
-(the official code recomputes them with a second forward pass of the training model, which does
-not see the rollout's AQN noise); AQN noise really reaches the rollout model (tests/test_aqn.py);
-held-out evaluation applies the trained adapter (tests/test_eval.py).
+Several GPUs (or CPU processes): `torchrun --nproc_per_node=N train.py ...` (several machines: ddp.py) runs N
+ranks on one global batch of --prompts prompts. Each rank holds the model and samples, grades and trains on
+its block of every round's prompts; every rank learns every group's rewards, so dynamic sampling fills the
+global batch and the advantages are the global batch's; the loss is divided by the global batch's token or
+sequence count and the gradients are summed over the ranks, which makes each step the one-process step over
+the same batch, up to float rounding (ddp.py derives it; tests/test_ddp.py checks it). The rollout keys
+depend on the prompt's global index, so the ranks sample what one process would. Rank 0 alone prints and
+writes; the held-out evaluation is split over the ranks by its batches, with their seeds. A checkpoint
+resumes on any number of ranks.
+
+Departures from the official QeRL code beyond the table: AQN noise really reaches the rollout model
+(tests/test_aqn.py); held-out evaluation applies the trained adapter and norms (tests/test_eval.py).
+Every step logs the sampler-trainer mismatch on the sampled tokens (mismatch_kl, mismatch_ratio_max,
+tis_clip_frac; grpo.py), whatever --ratio is.
 """
 import argparse
+import importlib.util
 import json
 import math
 import os
+import pickle
 import random
 import shutil
 import signal
 import sys
 import time
+import uuid
 import warnings
 
 import numpy as np
@@ -61,12 +135,16 @@ from tqdm import tqdm
 
 import aqn
 import dapo
+import ddp
 import grpo
 import lora
 import rollout
 import tasks
-from eval import evaluate, load_policy
-from model import read_config, resolve_device, stop_on_bad_input, stop_token_ids
+from eval import evaluate
+from hub import resolve_device, stop_on_bad_input, stop_token_ids
+from lora import load_policy
+from model import read_config
+import hub
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -77,23 +155,27 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if action.default is None else super()._get_help_string(action)
 
 
-def parse_args(argv=None):
+def build_parser():
     p = argparse.ArgumentParser(description="RL (DAPO/GRPO) on an NVFP4 base with LoRA and AQN.",
                                 formatter_class=_HelpFormatter)
     # what to train
     p.add_argument("--model", default="tiny", help="alias (tiny, qwen2.5-7b, ...), HF folder, NVFP4 folder or hub id")
     p.add_argument("--quant", default="nvfp4", choices=["nvfp4", "bf16"], help="base weights: NVFP4 (QeRL) or 16-bit (the LoRA baseline)")
     p.add_argument("--algo", default="dapo", choices=["dapo", "grpo"], help="policy-gradient algorithm")
-    p.add_argument("--data", default=None, help="training set: arith, gsm8k, math500, or a .jsonl path (default: arith for tiny, gsm8k otherwise)")
+    p.add_argument("--data", default=None, help="training set: arith, gsm8k (the named sets with a train split), or a .jsonl path (default: arith for tiny, gsm8k otherwise)")
     p.add_argument("--eval-data", default=None, help="held-out set (default: the test split of --data)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cpu for tiny, else cuda when available)")
     p.add_argument("--seed", type=int, default=0, help="seeds data order, sampling, AQN noise and LoRA init")
     # the loop
-    p.add_argument("--steps", type=int, default=None, help="RL steps (tiny: 30; paper recipe: 500)")
-    p.add_argument("--prompts", type=int, default=None, help="prompts (groups) per step (tiny: 16; QeRL scripts: 16 with DAPO)")
-    p.add_argument("--group-size", type=int, default=8, help="G, completions per prompt (QeRL: 8)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="completion budget (tiny: 64; GSM8K recipe: 1024)")
-    p.add_argument("--temperature", type=float, default=1.0, help="rollout temperature (QeRL: 1.0)")
+    p.add_argument("--steps", type=int, default=None, help="RL steps (tiny: 30; paper recipe: 500, which at 16 prompts "
+                   "a step is about one epoch of GSM8K's 7473, as the official scripts' one epoch)")
+    p.add_argument("--prompts", type=int, default=None, help="prompts (groups) per step (16; the official scripts' 1 "
+                   "prompt x 2 samples is a single-GPU demo)")
+    p.add_argument("--group-size", type=int, default=8, help="G, completions per prompt (8; the official "
+                   "scripts' 2 is a one-GPU demo)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="completion budget (tiny: 64; GSM8K recipe: 2048, "
+                   "the official max_completion_length)")
+    p.add_argument("--temperature", type=float, default=1.0, help="rollout temperature (official: TRL's default 1.0)")
     p.add_argument("--top-p", type=float, default=1.0, help="rollout nucleus sampling")
     p.add_argument("--update-passes", type=int, default=1, help="passes over each step's batch (1 = on-policy)")
     p.add_argument("--micro-batch", type=int, default=None, help="sequences per forward/backward, at full length "
@@ -103,15 +185,22 @@ def parse_args(argv=None):
                    help="activation checkpointing in the update (auto: off on a GPU where a micro-batch fits without)")
     p.add_argument("--no-compile", action="store_true", help="run the update's blocks eagerly (default: torch.compile "
                    "on a GPU, which fuses their elementwise work)")
-    # optimizer (QeRL scripts: AdamW, lr 1e-5 NVFP4 / 5e-6 bf16, warm-up then cosine, grad clip 1.0)
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (tiny: 2e-3; paper: 1e-5 NVFP4, 5e-6 bf16)")
-    p.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up steps (default: 5%% of --steps)")
-    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decays to lr * this")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay on the LoRA parameters")
-    p.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm")
-    # LoRA (QeRL: r 32, alpha 32 on q,k,v,o,gate,up,down)
-    p.add_argument("--lora-rank", type=int, default=32, help="LoRA rank r")
-    p.add_argument("--lora-alpha", type=float, default=32, help="LoRA alpha (scaling alpha/r)")
+    # optimizer (official scripts: AdamW beta2 0.99, weight decay 0.1, lr 1e-5 NVFP4 / 5e-6 bf16, 10% warm-up,
+    # cosine to 0, grad clip 0.2; the table in the docstring gives each value's source)
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (tiny: 2e-3; paper recipe: 1e-5 NVFP4, 5e-6 bf16)")
+    p.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up steps (tiny: 5%% of --steps; paper "
+                   "recipe: 10%%)")
+    p.add_argument("--min-lr-ratio", type=float, default=None, help="the cosine decays to lr * this (tiny: 0.1; paper recipe: 0)")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay on the LoRA parameters (the "
+                   "trained norms get none, as the HF Trainer exempts norm weights)")
+    p.add_argument("--adam-beta2", type=float, default=0.99, help="AdamW beta2 (beta1 0.9)")
+    p.add_argument("--grad-clip", type=float, default=0.2, help="max global grad norm")
+    # LoRA (official: r 16, alpha 16 on q,k,v,o,gate,up,down, and the blocks' two RMSNorms trained)
+    p.add_argument("--lora-rank", type=int, default=None, help="LoRA rank r (tiny: 32; paper recipe: 16)")
+    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha, scaling alpha/r (tiny: 32; paper recipe: 16)")
+    p.add_argument("--train-norms", action=argparse.BooleanOptionalAction, default=True, help="also train the "
+                   "RMSNorm weights of every block (input_layernorm, post_attention_layernorm), saved as PEFT's "
+                   "modules_to_save: the official --ln True")
     p.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA dropout")
     p.add_argument("--lora-targets", default=",".join(lora.TARGETS), help="comma-separated module names")
     # loss (DAPO: eps 0.2/0.28, token-mean, no KL; GRPO: eps 0.2, beta 0.04, sequence mean)
@@ -122,15 +211,30 @@ def parse_args(argv=None):
     p.add_argument("--adv-std", default="group", choices=["group", "batch", "none"], help="advantage normalization (none = Dr. GRPO)")
     p.add_argument("--no-dynamic-sampling", action="store_true", help="DAPO: keep groups whose rewards are all equal")
     p.add_argument("--max-sampling-rounds", type=int, default=3, help="DAPO: rollout rounds per step to find informative groups")
-    p.add_argument("--overlong-buffer", type=int, default=None, help="DAPO soft overlong punishment band (default: max_new_tokens//5 with dapo, 0 = off with grpo)")
-    p.add_argument("--overlong-filter", action="store_true", help="mask truncated completions out of the loss")
+    p.add_argument("--overlong-buffer", type=int, default=None, help="DAPO soft overlong punishment band (tiny dapo: "
+                   "max_new_tokens//5; paper recipe and grpo: 0 = off, the official reward has no length term)")
+    p.add_argument("--mask-truncated", action=argparse.BooleanOptionalAction, default=True, help="mask completions "
+                   "cut at --max-new-tokens out of the loss (they still count in their group's advantages): the "
+                   "official mask_truncated_completions")
+    p.add_argument("--ratio", default="trainer", choices=list(grpo.RATIO_MODES), help="what the PPO ratio is taken "
+                   "against: trainer = the update's own logprobs (ratio 1 in one pass; the official code), sampler = the "
+                   "rollout's (with its AQN noise), tis = trainer's ratio times min(pi_trainer/pi_sampler, --tis-cap)")
+    p.add_argument("--tis-cap", type=float, default=2.0, help="C of --ratio tis (FlashRL, verl and TRL use 2)")
     p.add_argument("--signed-reward", action="store_true", help="correctness +1/-1 instead of 1/0")
-    p.add_argument("--format-reward", type=float, default=0.0, help="weight of the format part of the reward")
-    # AQN (QeRL: 10 stages, sigma 1e-2 -> 5e-4 in the paper, 1e-4 in the scripts; stage 0 noise-free)
+    p.add_argument("--format-reward", type=float, default=None, help="weight of the format part of the reward "
+                   "(tiny: 0; paper recipe: 0.1, the official 0.2 format reward next to its 2.0 for a right answer)")
+    p.add_argument("--reward", default=None, choices=["strict", "lenient"], help="grading of the training reward: "
+                   "strict = the answer only where the prompt asks for it, as the official reward; lenient also "
+                   "reads the last number (tasks.grade) (tiny: lenient; paper recipe: strict)")
+    p.add_argument("--prompt", default="ours", choices=list(tasks.PROMPT_STYLES), help="how problems are asked, in "
+                   "training and held-out evaluation: our instruction, or the official think/answer system prompt "
+                   "(tasks.get_task)")
+    # AQN (QeRL: 10 stages, sigma 1e-2 -> 1e-4 in the official scripts, 5e-4 in the paper's text; stage 0 noise-free)
     p.add_argument("--no-aqn", action="store_true", help="disable Adaptive Quantization Noise")
     p.add_argument("--aqn-stages", type=int, default=10, help="number of noise stages over the run")
     p.add_argument("--sigma-start", type=float, default=1e-2, help="AQN sigma at stage 1")
-    p.add_argument("--sigma-end", type=float, default=5e-4, help="AQN sigma at the last stage")
+    p.add_argument("--sigma-end", type=float, default=1e-4, help="AQN sigma at the last stage (official scripts; the "
+                   "paper's text says 5e-4)")
     p.add_argument("--aqn-update", action="store_true", help="also apply the step's noise during the update pass")
     # evaluation, logging, checkpoints
     p.add_argument("--eval-every", type=int, default=None, help="held-out evaluation every N steps (0 = start and end only)")
@@ -142,9 +246,45 @@ def parse_args(argv=None):
     p.add_argument("--log-samples", type=int, default=2, help="completions per step written to samples.jsonl")
     p.add_argument("--plot-every", type=int, default=5, help="refresh curves.png every N steps")
     p.add_argument("--save-every", type=int, default=10, help="checkpoint every N steps (0 = only at the end)")
-    p.add_argument("--out", default=None, help="output folder (default runs/<timestamp>)")
-    p.add_argument("--resume", default=None, help="a previous --out folder to continue from its checkpoint")
+    p.add_argument("--out", default=None, help="output folder (default runs/<timestamp>): new or empty; a folder "
+                   "holding an earlier run is refused (continue it with --resume, or replace it with --force)")
+    p.add_argument("--force", action="store_true", help="start a new run in a non-empty --out, deleting what it holds "
+                   "(never the current folder, one holding it, or the model)")
+    p.add_argument("--resume", default=None, help="continue the run in this folder from its checkpoint, with its settings "
+                   "(args.json). Options that do not change what is learned may be given: " + ", ".join(
+                       f"--{k.replace('_', '-')}" for k in sorted(RESUMABLE - {"force"})) + "; a larger --steps extends a "
+                   "run, finished or not, its extra steps at the end of the schedules (lr at its floor, AQN's last "
+                   "sigma). Any other option that differs from the run's is refused.")
+    p.add_argument("--log", default=None, choices=["tensorboard", "wandb"], help="also send the metrics to TensorBoard "
+                   "(OUT/tensorboard) or Weights & Biases (offline unless WANDB_MODE=online); optional packages, off "
+                   "by default")
+    return p
+
+
+def parse_args(argv=None):
+    p = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "-h" in argv or "--help" in argv:
+        show_recipe(p, [a for a in argv if a not in ("-h", "--help")])
     return p.parse_args(argv)
+
+
+def show_recipe(parser, argv):
+    """--help with --model / --algo / --quant: each option that recipe() fills says the value it takes for
+    them, so `train.py --model qwen2.5-7b --algo dapo --help` prints the recipe it would run."""
+    known, _ = parser.parse_known_args(argv)
+    resolved = recipe(argparse.Namespace(**vars(known)))
+    which = f"--model {known.model} --algo {known.algo} --quant {known.quant}"
+    for action in parser._actions:
+        value = getattr(resolved, action.dest, None) if action.default is None else None
+        if value is not None and action.help:
+            action.help += f" [{which}: {value}]".replace("%", "%%")
+
+
+# What --resume lets a user change: how long the run goes on, how often it logs, evaluates and saves,
+# and how each step's work is laid out on the device (the same sums, so the same run).
+RESUMABLE = {"steps", "eval_every", "save_every", "plot_every", "log_samples", "log", "micro_batch", "logp_chunk",
+             "checkpointing", "no_compile", "device", "force"}
 
 
 def recipe(args):
@@ -153,11 +293,11 @@ def recipe(args):
     fill = {
         "data": "arith" if tiny else "gsm8k",
         # A GPU would run the tiny model in bf16 (on the CPU: fp32), a different run from the one the
-        # README and the tests measured: on the H200 its first 10 steps learned less (session 19).
+        # README and the tests measured: on the H200 its first 10 steps learned less (results/bench_h200.md).
         "device": "cpu" if tiny else None,
         "steps": 30 if tiny else 500,
         "prompts": 16,
-        "max_new_tokens": 64 if tiny else 1024,
+        "max_new_tokens": 64 if tiny else 2048,
         "micro_batch": 128 if tiny else 8,
         # The tiny model learns from scratch-level signal in minutes only with a large LoRA lr;
         # the paper's values are for 7B+ models (QeRL: 1e-5 NVFP4, 5e-6 bf16).
@@ -166,6 +306,13 @@ def recipe(args):
         "eval_temperature": 1.0 if tiny else 0.6,
         "eval_top_p": 1.0 if tiny else 0.95,
         "eval_every": 10 if tiny else 50,
+        # The tiny run keeps the floor it was tuned with (a final lr of 0 would waste its last steps).
+        "min_lr_ratio": 0.1 if tiny else 0.0,
+        "reward": "lenient" if tiny else "strict",
+        # (rank 16 learned half as much in the tiny run's first 10 steps: tests/test_train.py's short run)
+        "lora_rank": 32 if tiny else 16,
+        "lora_alpha": 32 if tiny else 16,
+        "format_reward": 0.0 if tiny else 0.1,
         "eps_high": 0.28 if args.algo == "dapo" else 0.2,
         "beta": 0.0 if args.algo == "dapo" else 0.04,
         "loss_agg": "token-mean" if args.algo == "dapo" else "seq-mean-token-mean",
@@ -177,29 +324,73 @@ def recipe(args):
         args.eval_data = args.data
     if args.eval_max_new_tokens is None:
         args.eval_max_new_tokens = args.max_new_tokens
-    if args.warmup_steps is None:
-        args.warmup_steps = max(1, args.steps // 20)
-    if args.overlong_buffer is None:
-        args.overlong_buffer = args.max_new_tokens // 5 if args.algo == "dapo" else 0
+    if args.warmup_steps is None:  # (tiny: 5%, one step of 30; the official warmup_ratio 0.1 otherwise)
+        args.warmup_steps = max(1, args.steps // 20) if tiny else max(1, math.ceil(0.1 * args.steps))
+    if args.overlong_buffer is None:  # the official reward has no length term: truncation is masked instead
+        args.overlong_buffer = args.max_new_tokens // 5 if args.algo == "dapo" and tiny else 0
     return args
 
 
+def _finite(x):
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _have(package):
+    return package in sys.modules or importlib.util.find_spec(package) is not None
+
+
 def check_args(args):
-    """Bad input fails here, before any model is loaded."""
+    """Every bad value fails here, in one message that names each and says what is allowed, before any
+    model is loaded or any folder written."""
     problems = []
-    if args.group_size < 2:
-        problems.append(f"--group-size {args.group_size}: group-relative advantages need G >= 2")
-    if args.prompts < 1 or args.steps < 1:
-        problems.append("--prompts and --steps must be >= 1")
-    if args.micro_batch < 1:
-        problems.append("--micro-batch must be >= 1")
-    if not 0 <= args.overlong_buffer <= args.max_new_tokens:
+    at_least = {"steps": 1, "prompts": 1, "group_size": 2, "max_new_tokens": 1, "micro_batch": 1, "logp_chunk": 1,
+                "update_passes": 1, "max_sampling_rounds": 1, "aqn_stages": 1, "eval_limit": 1, "eval_samples": 1,
+                "eval_max_new_tokens": 1, "lora_rank": 1, "plot_every": 1, "warmup_steps": 0, "eval_every": 0,
+                "save_every": 0, "log_samples": 0}
+    why = {"group_size": " (group-relative advantages need G >= 2)", "lora_rank": " (the adapters' rank r)"}
+    for k, low in at_least.items():
+        v = getattr(args, k)
+        if not isinstance(v, int) or v < low:
+            problems.append(f"--{k.replace('_', '-')} {v}: must be an integer >= {low}{why.get(k, '')}")
+    # (each check is written so that nan fails it)
+    positive = {"lr": "the peak learning rate", "lora_alpha": "LoRA's alpha", "grad_clip": "the gradient-norm clip",
+                "tis_cap": "the cap C of --ratio tis"}
+    for k, what in positive.items():
+        v = getattr(args, k)
+        if not (_finite(v) and v > 0):
+            problems.append(f"--{k.replace('_', '-')} {v}: {what} must be a finite number > 0")
+    if not (_finite(args.temperature) and args.temperature > 0):
+        problems.append(f"--temperature {args.temperature}: must be a finite number > 0 for RL (the policy's "
+                        f"logprobs use it)")
+    if not (_finite(args.eval_temperature) and args.eval_temperature >= 0):
+        problems.append(f"--eval-temperature {args.eval_temperature}: must be a finite number >= 0 (0 = greedy)")
+    for k in ("top_p", "eval_top_p"):
+        if not (_finite(getattr(args, k)) and 0 < getattr(args, k) <= 1):
+            problems.append(f"--{k.replace('_', '-')} {getattr(args, k)}: must be in (0, 1]")
+    for k, hi in (("min_lr_ratio", 1), ("lora_dropout", 0.999999), ("adam_beta2", 0.999999)):
+        if not (_finite(getattr(args, k)) and 0 <= getattr(args, k) <= hi):
+            problems.append(f"--{k.replace('_', '-')} {getattr(args, k)}: must be in [0, 1{')' if hi < 1 else ']'}")
+    for k in ("weight_decay", "eps_low", "eps_high", "beta", "sigma_start", "sigma_end", "format_reward"):
+        if not (_finite(getattr(args, k)) and getattr(args, k) >= 0):
+            problems.append(f"--{k.replace('_', '-')} {getattr(args, k)}: must be a finite number >= 0")
+    if isinstance(args.overlong_buffer, int) and isinstance(args.max_new_tokens, int) and \
+            not 0 <= args.overlong_buffer <= args.max_new_tokens:
         problems.append(f"--overlong-buffer {args.overlong_buffer} must be within [0, --max-new-tokens]")
-    if args.temperature <= 0:
-        problems.append("--temperature must be > 0 for RL (the policy's logprobs use it)")
+    targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
+    unknown = [t for t in targets if t not in lora.TARGETS]
+    if not targets or unknown:
+        problems.append(f"--lora-targets {args.lora_targets}: {', '.join(unknown) or 'nothing'} matches no linear of "
+                        f"the model; choose among {','.join(lora.TARGETS)}")
+    source = tasks.DATASETS.get(args.data, (None, None))[1]
+    if source is not None and "train" not in source.splits:
+        problems.append(f"--data {args.data} has no train split (only {', '.join(sorted(source.splits))}); train on "
+                        f"arith, gsm8k or a .jsonl file, and evaluate on it with --eval-data {args.data}")
     for name in (args.data, args.eval_data):
         if name.endswith(".jsonl") and not os.path.exists(name):
             problems.append(f"no data file at {name}")
+    if args.log and not _have("tensorboard" if args.log == "tensorboard" else "wandb"):
+        package = "tensorboard" if args.log == "tensorboard" else "wandb"
+        problems.append(f"--log {args.log} needs the optional package {package}: pip install {package} (or drop --log)")
     if args.resume and find_checkpoint(args.resume) is None:
         problems.append(f"--resume {args.resume}: no checkpoint/ folder in it (killed before its first checkpoint? start it again without --resume)")
     if problems:
@@ -262,41 +453,55 @@ def completion_logprobs(model, prompts, completions, lengths, temperature, chunk
 # ---------------------------------------------------------------------------------------------
 
 def rng_state():
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG the run draws from, as tensors and JSON numbers (a checkpoint holds nothing else, so
+    loading one can never run code): (tensors, json)."""
+    version, words, gauss = random.getstate()  # words: MT19937's 624 words and its position
+    np_state = np.random.get_state(legacy=False)
+    tensors = {"torch": torch.get_rng_state(), "python": torch.tensor(words, dtype=torch.int64),
+               "numpy": torch.from_numpy(np_state["state"]["key"].astype(np.int64))}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+        tensors["cuda"] = torch.cuda.get_rng_state_all()
+    meta = {"python_version": version, "python_gauss": gauss, "numpy_pos": int(np_state["state"]["pos"]),
+            "numpy_has_gauss": int(np_state["has_gauss"]), "numpy_gauss": float(np_state["gauss"])}
+    return tensors, meta
 
 
-def set_rng_state(state):
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+def set_rng_state(tensors, meta):
+    random.setstate((meta["python_version"], tuple(tensors["python"].tolist()), meta["python_gauss"]))
+    np.random.set_state({"bit_generator": "MT19937", "state": {"key": tensors["numpy"].numpy().astype(np.uint32),
+                                                               "pos": meta["numpy_pos"]},
+                         "has_gauss": meta["numpy_has_gauss"], "gauss": meta["numpy_gauss"]})
+    torch.set_rng_state(tensors["torch"])
+    if "cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(tensors["cuda"])
 
 
 def save_checkpoint(out, model, optimizer, scheduler, state):
-    """Write out/checkpoint atomically: build it in checkpoint.tmp, then swap it in by renames.
-    Signals that would kill the process are held off during the swap."""
+    """Write out/checkpoint atomically: build it in checkpoint.tmp, then swap it in by renames; the one
+    before stays as checkpoint.old, to fall back on if this one is ever found damaged. Signals that would
+    kill the process are held off during the swap. What it holds: adapter/ (PEFT), state.pt (the
+    optimizer's and scheduler's state and the RNGs: tensors, numbers, lists, which torch.load's
+    weights_only=True reads) and state.json (`state`: step, data position, ...)."""
     tmp, final, old = (os.path.join(out, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.old"))
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     lora.save_adapter(model, os.path.join(tmp, "adapter"))
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state(), **state},
+    rng, rng_meta = rng_state()
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng},
                os.path.join(tmp, "state.pt"))
+    hub.write_json(os.path.join(tmp, "state.json"), {**state, "rng": rng_meta})
     held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
         if os.path.exists(final):
+            shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
         os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def find_checkpoint(out):
-    """The complete checkpoint folder to resume from, or None: checkpoint/, else checkpoint.old/ (which
+    """The newest checkpoint folder to resume from, or None: checkpoint/, else checkpoint.old/ (which
     is all there is after a crash between save_checkpoint's two renames)."""
     for name in ("checkpoint", "checkpoint.old"):
         path = os.path.join(out, name)
@@ -305,11 +510,56 @@ def find_checkpoint(out):
     return None
 
 
-def load_checkpoint(out):
-    path = find_checkpoint(out)
-    if path is None:
+def read_checkpoint(path, run_id=None):
+    """(state.json merged with state.pt) of one checkpoint folder, checked whole: its state, its adapter,
+    and that it belongs to the run `run_id` (args.json's). Raises ValueError naming the file otherwise.
+    state.pt is read with weights_only=True: tensors and plain values only, so a crafted file cannot
+    run code here; it is refused instead."""
+    pt, js = os.path.join(path, "state.pt"), os.path.join(path, "state.json")
+    try:
+        tensors = torch.load(pt, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "global" in str(e).lower():  # torch refused a reference to code (GLOBAL), not a damaged file
+            raise ValueError(f"{pt} holds objects other than tensors and plain values (pickled code, or a "
+                             f"checkpoint of an older train.py), which --resume never loads") from None
+        raise ValueError(f"{pt} is damaged or not a checkpoint ({type(e).__name__}: {str(e)[:200]})") from None
+    except Exception as e:
+        raise ValueError(f"{pt} is damaged or not a checkpoint ({type(e).__name__}: {str(e)[:200]})") from None
+    try:
+        with open(js) as f:
+            state = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{js} is missing or damaged ({type(e).__name__}: {e})") from None
+    if not isinstance(tensors, dict) or not {"optimizer", "scheduler", "rng"} <= set(tensors):
+        raise ValueError(f"{pt} is not a train.py checkpoint (it lacks the optimizer, scheduler or RNG state)")
+    if state.get("run_id") != run_id:
+        raise ValueError(f"{path} belongs to another run (its run id {state.get('run_id')} is not args.json's "
+                         f"{run_id}); a run resumes only from checkpoints it wrote")
+    lora.read_adapter(os.path.join(path, "adapter"))  # (raises naming the file)
+    return {**state, "json_rng": state.get("rng"), **tensors}
+
+
+def load_checkpoint(out, run_id=None):
+    """(path, state) of the newest readable checkpoint of the run in `out`: checkpoint/, or
+    checkpoint.old/ when the newer one is damaged (said on stderr). Raises ValueError naming each file
+    when there is none."""
+    problems = []
+    for name in ("checkpoint", "checkpoint.old"):
+        path = os.path.join(out, name)
+        if not os.path.exists(os.path.join(path, "state.pt")):
+            continue
+        try:
+            state = read_checkpoint(path, run_id)
+        except ValueError as e:
+            problems.append(str(e))
+            continue
+        if problems:
+            print(f"train.py: {problems[-1]}; resuming from the checkpoint before it, {path}", file=sys.stderr)
+        return path, state
+    if not problems:
         raise FileNotFoundError(f"no complete checkpoint in {out}")
-    return path, torch.load(os.path.join(path, "state.pt"), weights_only=False)
+    raise ValueError("cannot resume: " + "; ".join(problems) + ". Start the run again without --resume "
+                     "(in a new --out, or with --force)")
 
 
 def truncate_jsonl(path, keep):
@@ -389,41 +639,62 @@ def training_batch(groups, encode, device):
     return prompts, completions, lens, old, truncated
 
 
-def update(args, model, optimizer, params, groups, rewards, encode, sigma, noise_seed, gen_device):
+def update(args, model, optimizer, params, groups, rewards, encode, sigma, noise_seed, gen_device, world=ddp.World()):
     """One or more passes of the clipped policy-gradient loss over the step's batch, in micro-batches
-    whose losses add up to the full batch's (grpo.policy_loss with the full batch's counts)."""
+    whose losses add up to the full batch's (grpo.policy_loss with the full batch's counts).
+
+    groups and rewards (groups, G) are the global batch's; this rank trains on the groups it sampled (those
+    with a rollout), with the global batch's counts as divisors, and the gradients are summed over the
+    ranks before the clip: the update of one process over the whole batch (ddp.py says why)."""
     device = model.device
-    adv = grpo.group_advantages(rewards, std=args.adv_std).flatten().to(device)  # (B,)
-    prompts, completions, lens, old, truncated = training_batch(groups, encode, device)
-    mask = (torch.arange(completions.shape[1])[None] < lens[:, None]).float()  # (B, Tc)
-    if args.overlong_filter:
-        mask = dapo.apply_overlong_filter(mask, truncated)
-    mask = mask.to(device)
-    num_seqs, num_tokens = grpo.batch_counts(mask)
-    slices = micro_batches(model.config, model.dtype, prompts, lens, args.micro_batch, args.max_new_tokens)
-    need = max(micro_batch_bytes(model.config, model.dtype, prompts[sl], lens[sl]) for sl in slices)
+    adv = grpo.group_advantages(rewards, std=args.adv_std)  # (groups, G): a group's own (--adv-std batch: all)
+    mine = [i for i, g in enumerate(groups) if g["rollout"] is not None]
+    adv = adv[mine].flatten().to(device)  # (B,) this rank's rows
+    slices, local = [], (0, 0)
+    if mine:
+        prompts, completions, lens, old, truncated = training_batch([groups[i] for i in mine], encode, device)
+        mask = (torch.arange(completions.shape[1])[None] < lens[:, None]).float()  # (B, Tc)
+        if args.mask_truncated:  # (after the advantages: a truncated sample still counts in its group's mean and std)
+            mask = dapo.apply_overlong_filter(mask, truncated)
+        mask = mask.to(device)
+        local = grpo.batch_counts(mask)
+        slices = micro_batches(model.config, model.dtype, prompts, lens, args.micro_batch, args.max_new_tokens)
+    num_seqs, num_tokens = ddp.counts(*local, world, device)
+    need = max([micro_batch_bytes(model.config, model.dtype, prompts[sl], lens[sl]) for sl in slices], default=0)
     model.gradient_checkpointing = checkpointing_on(args, model, need)
     model.train()
-    out = {}
-    for _ in range(args.update_passes):
+    out, first = {}, {}  # first: each micro-batch's trainer logp in the first pass (the policy before the update)
+    for p in range(args.update_passes):
         optimizer.zero_grad(set_to_none=True)
         sums = {}
         with aqn.noise(model, sigma if args.aqn_update else 0.0, torch.Generator(gen_device).manual_seed(noise_seed)):
-            for sl in slices:
-                logp, ent = completion_logprobs(model, prompts[sl], completions[sl], lens[sl], args.temperature, args.logp_chunk)
+            for i, sl in enumerate(slices):
                 ref = None
-                if args.beta > 0:  # the reference policy is the base model: the same weights, adapters off
+                if args.beta > 0:  # the reference policy is the base model: the same weights, adapters off. (First:
+                    # disable_adapters swaps trained norms in place, which a pending backward would refuse.)
                     with torch.no_grad(), lora.disable_adapters(model):
                         ref, _ = completion_logprobs(model, prompts[sl], completions[sl], lens[sl], args.temperature, args.logp_chunk)
-                loss, lm = grpo.policy_loss(logp, old[sl], adv[sl], mask[sl], eps_low=args.eps_low, eps_high=args.eps_high,
+                logp, ent = completion_logprobs(model, prompts[sl], completions[sl], lens[sl], args.temperature, args.logp_chunk)
+                if p == 0 and args.update_passes > 1:
+                    first[i] = logp.detach()
+                # old: the sampler's logprobs (--ratio sampler) or the trainer's own before this update (trainer,
+                # tis); is_weight: tis's truncated pi_trainer / pi_sampler (grpo.sampler_correction)
+                old_logp, is_weight = grpo.sampler_correction(args.ratio, logp, old[sl], args.tis_cap, first.get(i) if p else None)
+                loss, lm = grpo.policy_loss(logp, old_logp, adv[sl], mask[sl], eps_low=args.eps_low, eps_high=args.eps_high,
                                             ref_logp=ref, beta=args.beta, agg=args.loss_agg, num_seqs=num_seqs,
-                                            num_tokens=num_tokens, const=args.max_new_tokens, entropy=ent)
+                                            num_tokens=num_tokens, const=args.max_new_tokens, entropy=ent,
+                                            is_weight=is_weight, sampler_logp=old[sl], tis_cap=args.tis_cap)
                 loss.backward()
-                # Loss parts already add up across micro-batches; per-token means are re-weighted by tokens.
+                # Loss parts already add up across micro-batches; per-token means are re-weighted by tokens; a
+                # maximum is the largest of the micro-batches'.
                 w = lm["tokens"] / max(1, num_tokens)
                 for k, v in lm.items():
-                    if k not in ("tokens", "seqs"):
+                    if k.endswith("_max"):
+                        sums[k] = max(sums.get(k, v), v)
+                    elif k not in ("tokens", "seqs"):
                         sums[k] = sums.get(k, 0.0) + (v if k in ("loss", "pg_loss", "kl_loss") else v * w)
+        ddp.all_reduce_grads(params, world)  # (the sum over the ranks: the global loss's gradient, on every rank)
+        sums = ddp.reduce_metrics(sums, world)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
         if not torch.isfinite(grad_norm):
             tqdm.write(f"non-finite loss or gradient (grad norm {grad_norm}); skipping this update")
@@ -441,10 +712,10 @@ def activation_bytes(cfg, tokens, dtype, attended=0):
     token and layer: each RMSNorm's input and output, q and the attention output (6 hidden-size vectors),
     k and v, gate, up and their product (3 intermediate-size vectors); LoRA keeps the inputs of its A's,
     which are among these, and the frozen base weights need none. Qwen2.5-7B: 4.4 MB a token, against
-    4.3 measured (results/bench_h200.md, session 16). `attended`: tokens that attention alone sees on top
+    4.3 measured (results/bench_h200.md). `attended`: tokens that attention alone sees on top
     (model.shared_prompt_attention: a shared prompt again for each further sample, the padding), which
     hold their q, k, v and output there too. A 7B micro-batch of 256 + 8 x 1024 tokens and 1792 on top:
-    38.4 GB, where the first form of the packing held about 38 (results/bench_h200.md, session 17)."""
+    38.4 GB, where the first form of the packing held about 38 (results/bench_h200.md)."""
     per_token = 6 * cfg.hidden_size + 2 * cfg.num_kv_heads * cfg.head_dim + 3 * cfg.intermediate_size
     per_attended = 2 * cfg.hidden_size + 2 * cfg.num_kv_heads * cfg.head_dim
     return (tokens * per_token + attended * per_attended) * cfg.num_layers * torch.finfo(dtype).bits // 8
@@ -467,7 +738,7 @@ def micro_batches(cfg, dtype, prompts, lengths, size, max_new_tokens):
     share each forward and backward in no more memory. That pays where a micro-batch is short work for the
     GPU: a 7B update of 64 completions of ~200 tokens, in 3-4 micro-batches instead of 8, took 1.37 instead
     of 1.95 s on NVFP4 and 1.30 instead of 1.38 on bf16; in 8, its kernels added up to 1.0-1.08 s, the rest
-    gaps between them (H200, results/bench_h200.md, session 25)."""
+    gaps between them (H200, results/bench_h200.md)."""
     at_limit = lambda start: micro_batch_bytes(cfg, dtype, prompts[start:start + size], [max_new_tokens] * size)
     budget = max(map(at_limit, range(0, len(prompts), size)))
     slices, start = [], 0
@@ -485,7 +756,7 @@ def checkpointing_on(args, model, need):
     where the largest micro-batch's activations (`need` bytes, activation_bytes) would not otherwise fit,
     with 10% and 1 GiB to spare, in what this process can still allocate on its GPU (free memory and
     torch's idle cache, within any per-process cap). Recomputing is a third of the pass's GEMM work: the
-    7B update pass took 7.1 s with it and 5.0 s without (results/bench_h200.md, session 16). On the CPU
+    7B update pass took 7.1 s with it and 5.0 s without (results/bench_h200.md). On the CPU
     (the tiny demo, the tests) `auto` keeps it on: memory there is not measured. The gradients are the
     same either way."""
     if args.checkpointing != "auto" or model.device.type != "cuda":
@@ -502,7 +773,9 @@ def lr_lambda(args):
     def f(step):
         if step < args.warmup_steps:
             return (step + 1) / args.warmup_steps
-        t = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
+        # (over the run's first --steps: steps that --resume adds stay at the floor)
+        total = getattr(args, "schedule_steps", None) or args.steps
+        t = (step - args.warmup_steps) / max(1, total - args.warmup_steps)
         return args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
     return f
 
@@ -519,89 +792,253 @@ def saved_args(run_dir):
     saved = os.path.join(run_dir, "args.json")
     if not os.path.exists(saved):
         sys.exit(f"train.py: cannot resume {run_dir}: no args.json in it")
-    with open(saved) as f:
-        return argparse.Namespace(**{**vars(parse_args([])), **json.load(f), "resume": run_dir})
+    try:
+        with open(saved) as f:
+            stored = json.load(f)
+    except ValueError as e:
+        sys.exit(f"train.py: cannot resume {run_dir}: {saved} is damaged ({e})")
+    return argparse.Namespace(**{**vars(parse_args([])), **stored, "resume": run_dir})
+
+
+def explicit_options(argv):
+    """The options given on the command line (not defaulted), as parse_args reads them."""
+    p = build_parser()
+    for action in p._actions:
+        action.default = argparse.SUPPRESS
+    return vars(p.parse_args(argv))
+
+
+def resume_args(argv):
+    """--resume DIR: the run's own settings (args.json), with what RESUMABLE lets the command line change.
+    Any other option given with a value that differs from the run's stops here, naming each."""
+    given = explicit_options(argv)
+    run_dir = given["resume"]
+    args = saved_args(run_dir)
+    if given.get("out") not in (None, run_dir) and os.path.realpath(given["out"]) != os.path.realpath(run_dir):
+        sys.exit(f"train.py: --resume {run_dir} writes into {run_dir}; drop --out {given['out']} (or start a new run "
+                 f"there without --resume)")
+    clash = [k for k, v in given.items() if k not in RESUMABLE | {"resume", "out"} and v != getattr(args, k, None)]
+    if clash:
+        sys.exit(f"train.py: --resume {run_dir} keeps the run's settings (its args.json), and these differ from "
+                 f"them: " + ", ".join(f"--{k.replace('_', '-')} {given[k]} (the run's: {getattr(args, k, None)})"
+                                       for k in clash) +
+                 ". Drop them to continue the run, or start a new run with --out to change them; only "
+                 + ", ".join(f"--{k.replace('_', '-')}" for k in sorted(RESUMABLE - {"force"})) + " may change on resume")
+    args.changed = {k: (getattr(args, k, None), v) for k, v in given.items()
+                    if k in RESUMABLE and v != getattr(args, k, None)}
+    for k, (_, v) in args.changed.items():
+        setattr(args, k, v)
+    return args
+
+
+def prepare_out(args):
+    """The run's folder: --resume's, or a new one that holds no earlier run (hub.check_out's rules, and a
+    folder of an earlier train.py run only with --force, which deletes it first), marked as train.py's."""
+    if args.resume:
+        hub.mark(args.resume, "train.py", run_id=getattr(args, "run_id", None))
+        return args.resume
+    out = args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    state = hub.check_out(out, "train.py", sources=[read_config(args.model)[0]], force=args.force)
+    earlier = find_checkpoint(out) or (os.path.exists(os.path.join(out, "metrics.jsonl"))
+                                       and os.path.getsize(os.path.join(out, "metrics.jsonl")) > 0)
+    if state == "ours" and earlier and not args.force:
+        raise hub.OutputError(f"--out {out} holds an earlier run; continue it with --resume {out}, or pass --force "
+                              f"to delete it and start over, or name a new folder")
+    if state != "new":
+        shutil.rmtree(out)  # (an earlier train.py run, or a folder --force lets go; never a new run in its files)
+    hub.claim_folder(out, "train.py", force=args.force)
+    hub.mark(out, "train.py", run_id=getattr(args, "run_id", None))
+    return out
+
+
+class Tracker:
+    """--log: the metrics of every step also to TensorBoard (OUT/tensorboard) or Weights & Biases (offline
+    unless WANDB_MODE says otherwise), for watching a run live; metrics.jsonl and curves.png stay the record.
+    Both packages are optional: check_args refuses --log when the one asked for is missing."""
+
+    def __init__(self, kind, out, args):
+        self.kind, self.writer = kind, None
+        if kind == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(os.path.join(out, "tensorboard"))
+        elif kind == "wandb":
+            import wandb
+
+            os.environ.setdefault("WANDB_MODE", "offline")  # (no network needed; `wandb sync` uploads later)
+            self.writer = wandb.init(project="qerl", dir=out, name=os.path.basename(os.path.normpath(out)),
+                                     id=getattr(args, "run_id", None), resume="allow", config=vars(args))
+
+    def log(self, m, step):
+        numbers = {k: float(v) for k, v in m.items() if k != "step" and isinstance(v, (int, float)) and math.isfinite(v)}
+        if self.kind == "tensorboard":
+            for k, v in numbers.items():
+                self.writer.add_scalar(k, v, step)
+            self.writer.flush()
+        elif self.kind == "wandb":
+            self.writer.log(numbers, step=step)
+
+    def close(self):
+        if self.writer is not None:
+            (self.writer.close if self.kind == "tensorboard" else self.writer.finish)()
+
+
+class WallTime:
+    """The run's wall time over all its processes: OUT/wall_time.json lists each part's seconds (a run
+    killed and resumed has several), this process's part updated as it goes."""
+
+    def __init__(self, out, resume):
+        self.path, self.t0 = os.path.join(out, "wall_time.json"), time.time()
+        self.parts = []
+        if resume and os.path.exists(self.path):
+            with open(self.path) as f:
+                self.parts = json.load(f).get("parts_s", [])
+        self.parts.append(0.0)
+
+    def update(self):
+        self.parts[-1] = time.time() - self.t0
+        hub.write_json(self.path, {"parts_s": self.parts})
+        return sum(self.parts)
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    if args.resume:  # a resumed run is the same run: every setting comes from its args.json
-        args = saved_args(args.resume)
+    args = resume_args(argv) if parse_args(argv).resume else parse_args(argv)
+    if not args.resume:
+        args.run_id = uuid.uuid4().hex  # checkpoints carry it: a run resumes only from its own
     args = recipe(args)
+    if getattr(args, "schedule_steps", None) is None:  # the lr and AQN schedules' length: --steps at the start
+        args.schedule_steps = args.steps
     check_args(args)
-    t_start = time.time()
-    device = resolve_device(args.device)
+    device = resolve_device(args.device, "train.py")
+    # Under torchrun: this rank's place and device (ddp.py); a plain `python train.py` is World() and starts no
+    # process group. Rank 0 names the run (its id, its folder) for all; only rank 0 writes or prints.
+    world, device = ddp.init(device)
+    if world.size > 1:
+        args.run_id = getattr(args, "run_id", None) if args.resume else ddp.broadcast(args.run_id, world)
+        if not args.resume:
+            args.out = ddp.broadcast(args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")), world)
+        if not world.main:
+            sys.stdout = open(os.devnull, "w")  # (stderr stays: errors and warnings of every rank show)
     torch.manual_seed(args.seed)
-    out = args.resume or args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
 
-    # The model's folder and the data first: either missing or malformed stops here, with what to do,
-    # before minutes of loading (and before the run's folder exists).
+    # The model's folder, the data, a resumed run's checkpoint and the output folder first: any of them
+    # missing or malformed stops here, with what to do, before minutes of loading.
     with stop_on_bad_input("train.py"):
         model_dir = read_config(args.model)[0]
         train_items = tasks.load_dataset(args.data, split="train" if not args.data.endswith(".jsonl") else "test")
         eval_items = tasks.load_dataset(args.eval_data, split="test", limit=args.eval_limit)
-    if not train_items:
-        raise SystemExit(f"train.py: {args.data} holds no problems")
-    os.makedirs(out, exist_ok=True)
+        if not train_items:
+            raise ValueError(f"{args.data} holds no problems")
+        ckpt = state = None
+        if args.resume:
+            ckpt, state = load_checkpoint(args.resume, getattr(args, "run_id", None))
+            finished = os.path.exists(os.path.join(args.resume, "summary.json"))
+            if state["step"] >= args.steps and (finished or state["step"] > args.steps):
+                raise ValueError(f"--resume {args.resume}: the run has done {state['step']} steps; pass a larger "
+                                 f"--steps with --resume to extend it")
+        out = prepare_out(args) if world.main else (args.resume or args.out)
+    wall = WallTime(out, args.resume) if world.main else None
     kind = train_items[0]["kind"]
 
-    model, tokenizer = load_policy(model_dir, quant=args.quant, device=device)  # (bf16 on a GPU, fp32 on CPU)
+    with stop_on_bad_input("train.py"):  # (a damaged weight file names itself)
+        model, tokenizer = load_policy(model_dir, quant=args.quant, device=device)  # (bf16 on a GPU, fp32 on CPU)
     params = lora.apply_lora(model, rank=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout,
-                             targets=tuple(args.lora_targets.split(",")))
+                             targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()))
+    norms = lora.train_norms(model) if args.train_norms else []  # (float32, updated in place: the rollout reads them)
     model.compile_blocks = compile_backend(device, args.no_compile)
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.999))
+    # Weight decay on LoRA only: decaying a norm weight pulls it towards 0, not towards its base value (the
+    # HF Trainer of the official code exempts every norm weight by name).
+    optimizer = torch.optim.AdamW([{"params": params}, {"params": norms, "weight_decay": 0.0}], lr=args.lr,
+                                  weight_decay=args.weight_decay, betas=(0.9, args.adam_beta2))
+    params = params + norms  # (the gradient-norm clip covers both, as the official Trainer's does)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args))
-    schedule = aqn.AQNSchedule(args.steps, args.aqn_stages, args.sigma_start, args.sigma_end)
+    schedule = aqn.AQNSchedule(args.schedule_steps, args.aqn_stages, args.sigma_start, args.sigma_end)
     stop_ids = stop_token_ids(tokenizer)
     prompt_ids = {}
 
     def encode(item):
         q = item["question"]
         if q not in prompt_ids:
-            prompt_ids[q] = tasks.get_task(kind).prompt_ids(tokenizer, q)
+            prompt_ids[q] = tasks.get_task(kind, args.prompt).prompt_ids(tokenizer, q)
         return prompt_ids[q]
 
     def heldout(step):
         model.eval()
-        res = evaluate(model, tokenizer, eval_items, kind, samples=args.eval_samples, temperature=args.eval_temperature,
-                       top_p=args.eval_top_p, max_new_tokens=args.eval_max_new_tokens, seed=args.seed + 1_000_003)
-        return res["accuracy"]
+        kw = dict(samples=args.eval_samples, temperature=args.eval_temperature, top_p=args.eval_top_p,
+                  max_new_tokens=args.eval_max_new_tokens, prompt=args.prompt)
+        seed = args.seed + 1_000_003
+        if world.size == 1:
+            res = evaluate(model, tokenizer, eval_items, kind, seed=seed, **kw)
+            strict[step] = res.get("accuracy_strict")  # (the strict grader's, next to the lenient one returned)
+            return res["accuracy"]
+        # Sharded: evaluate samples its batch b with seed + b; each rank runs some batches with those seeds, so
+        # the counts are the single-process ones (ddp.map_batches).
+        per_batch = max(1, EVAL_BATCH[device.type == "cuda"] // args.eval_samples)
+
+        def right(b, start, end):
+            recs = evaluate(model, tokenizer, eval_items[start:end], kind, seed=seed + b,
+                            batch_size=per_batch * args.eval_samples, **kw)["records"]
+            return sum(r["correct"] for r in recs), sum(r["correct_strict"] for r in recs)
+
+        counts = ddp.map_batches(len(eval_items), per_batch, right, world)
+        n = len(eval_items) * args.eval_samples
+        strict[step] = sum(c[1] for c in counts) / n
+        return sum(c[0] for c in counts) / n
+
+    strict = {}
 
     step, stream, baseline, rows = 0, PromptStream(train_items, args.seed), None, []
     metrics_path, samples_path = os.path.join(out, "metrics.jsonl"), os.path.join(out, "samples.jsonl")
     if args.resume:
-        ckpt, state = load_checkpoint(out)
-        lora.load_adapter(model, os.path.join(ckpt, "adapter"))
+        with stop_on_bad_input("train.py"):
+            lora.load_adapter(model, os.path.join(ckpt, "adapter"))
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        set_rng_state(state["rng"])
+        set_rng_state(state["rng"], state["json_rng"])
         step, stream.pos, baseline = state["step"], state["data_pos"], state["baseline_accuracy"]
-        truncate_jsonl(metrics_path, step)
-        truncate_jsonl(samples_path, state["samples_lines"])
-        with open(metrics_path) as f:
-            rows = [json.loads(line) for line in f]
-        print(f"resumed {out} at step {step}")
-    else:
+        if world.main:
+            truncate_jsonl(metrics_path, step)
+            truncate_jsonl(samples_path, state["samples_lines"])
+            with open(metrics_path) as f:
+                rows = [json.loads(line) for line in f]
+        changed = "; changed: " + ", ".join(f"--{k.replace('_', '-')} {a} -> {b}" for k, (a, b) in args.changed.items()) \
+            if args.changed else ""
+        print(f"resumed {out} at step {step} from {ckpt}, keeping its settings (args.json: model {args.model}, "
+              f"{args.quant}, {args.algo}, data {args.data}, seed {args.seed}, lr {args.lr:g}, LoRA r {args.lora_rank}, "
+              f"{args.prompts} prompts x G={args.group_size}){changed}")
+        if step >= args.schedule_steps and args.steps > args.schedule_steps:
+            print(f"steps {args.schedule_steps}..{args.steps - 1} extend the run at the schedules' end: lr "
+                  f"{args.lr * args.min_lr_ratio:g}, AQN sigma {0.0 if args.no_aqn else schedule.sigma(args.schedule_steps - 1):.1e}")
+    elif world.main:
         for p in (metrics_path, samples_path):
             open(p, "w").close()
-    with open(os.path.join(out, "args.json"), "w") as f:
-        json.dump(vars(args), f, indent=2)
+    saved = {k: v for k, v in vars(args).items() if k not in ("changed", "force")}
+    if world.main:
+        hub.write_json(os.path.join(out, "args.json"), saved)
+    tracker = Tracker(args.log if world.main else None, out, args)
+    ddp.same_everywhere(params, world)  # (the same seed and checkpoint: the same parameters on every rank)
 
     n_train = sum(p.numel() for p in params)
     weight_gb = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())) / 1e9
     print(f"model {args.model} ({model.config}) base={args.quant} on {device} ({weight_gb:.3f} GB of weights; "
           f"fp4 matmuls: {'Triton kernels' if device.type == 'cuda' else 'torch dequantize + matmul'}), "
-          f"LoRA r={args.lora_rank}: {n_train / 1e6:.2f}M trainable parameters")
+          f"LoRA r={args.lora_rank}{f' + {len(norms)} norms' if norms else ''}: {n_train / 1e6:.2f}M trainable parameters")
     print(f"{args.algo}: {args.steps} steps x {args.prompts} prompts x G={args.group_size} = "
           f"{args.prompts * args.group_size} completions/step, <= {args.max_new_tokens} new tokens each; "
-          f"lr {args.lr:g}, eps {args.eps_low}/{args.eps_high}, beta {args.beta}, AQN "
+          f"lr {args.lr:g} (AdamW beta2 {args.adam_beta2}, wd {args.weight_decay}, {args.warmup_steps} warm-up steps, "
+          f"clip {args.grad_clip}), eps {args.eps_low}/{args.eps_high}, beta {args.beta}, ratio {args.ratio}"
+          f"{f' (cap {args.tis_cap:g})' if args.ratio == 'tis' else ''}, truncated {'masked' if args.mask_truncated else 'kept'}, AQN "
           f"{'off' if args.no_aqn else schedule}; data {args.data} ({len(train_items)} train, {len(eval_items)} held-out)")
+    if world.size > 1:
+        print(f"data-parallel: {world.size} ranks ({'NCCL' if device.type == 'cuda' else 'gloo'}), each sampling and "
+              f"training about {args.prompts / world.size:g} of the {args.prompts} prompts a round; gradients summed "
+              f"over the ranks (ddp.py)")
     print(f"outputs in {out}")
     if baseline is None:
         baseline = heldout(0)
         print(f"held-out accuracy before training: {baseline:.3f}")
 
-    bar = tqdm(total=args.steps, initial=step, desc="RL", unit="step", dynamic_ncols=True)
+    bar = tqdm(total=args.steps, initial=step, desc="RL", unit="step", dynamic_ncols=True, disable=not world.main)
     while step < args.steps:
         t0 = time.time()
         sigma = 0.0 if args.no_aqn else schedule.sigma(step)
@@ -610,27 +1047,40 @@ def main(argv=None):
         sampled_tokens = []  # every round's, kept or filtered: what the rollout time was spent on
 
         def sample(round_):
+            # Every rank takes the round's global prompts and samples its block of them, [lo, hi) (all of them
+            # in one process); then every rank learns every group's rewards (ddp.gather_rows), so that dynamic
+            # sampling, the advantages and the logged means are the global batch's.
             items = stream.take(args.prompts)
-            model.eval()
-            with torch.no_grad(), aqn.noise(model, sigma, torch.Generator(gen_device).manual_seed(noise_seed)):
-                ro = rollout.generate(model, [encode(it) for it in items], n=args.group_size,
-                                      max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                      top_p=args.top_p, stop_ids=stop_ids, seed=args.seed * 7919 + step * 31 + round_)
-            sampled_tokens.append(int(ro.lengths.sum()))
-            texts = ro.texts(tokenizer)
-            parts = [tasks.reward(kind, t, items[i // args.group_size]["answer"], signed=args.signed_reward,
-                                  format_weight=args.format_reward)[1] for i, t in enumerate(texts)]
-            correct = torch.tensor([p["correct"] for p in parts])
-            fmt = torch.tensor([p["format"] for p in parts])
-            # (buffer 0: the hard rule, zero up to max_new_tokens, which rollouts never pass)
-            over = dapo.overlong_penalty(ro.lengths.cpu(), args.max_new_tokens, args.overlong_buffer, dtype=torch.float32)
-            G = args.group_size
-            total = (correct + fmt + over).view(len(items), G)  # (groups, G)
-            groups = [dict(item=items[g], rollout=ro, rows=list(range(g * G, (g + 1) * G)), reward=total[g],
-                           correct=correct.view(-1, G)[g], format=fmt.view(-1, G)[g], overlong=over.view(-1, G)[g],
-                           texts=texts[g * G:(g + 1) * G]) for g in range(len(items))]
+            G, (lo, hi) = args.group_size, ddp.shard(len(items), world)
+            per_row = torch.zeros(4, len(items) * G)  # correct, format, overlong, length of each row; ours filled
+            ro = texts = None
+            if hi > lo:
+                model.eval()
+                with torch.no_grad(), aqn.noise(model, sigma, torch.Generator(gen_device).manual_seed(noise_seed)):
+                    # (keyed as rows lo*G... of the one-process call: the same samples on any number of ranks)
+                    ro = rollout.generate(model, [encode(it) for it in items[lo:hi]], n=G,
+                                          max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                          top_p=args.top_p, stop_ids=stop_ids,
+                                          seed=ddp.shift_seed(args.seed * 7919 + step * 31 + round_, lo * G))
+                texts = ro.texts(tokenizer)
+                parts = [tasks.reward(kind, t, items[lo + i // G]["answer"], strict=args.reward == "strict",
+                                      signed=args.signed_reward, format_weight=args.format_reward, prompt=args.prompt)[1]
+                         for i, t in enumerate(texts)]
+                per_row[0, lo * G:hi * G] = torch.tensor([p["correct"] for p in parts])
+                per_row[1, lo * G:hi * G] = torch.tensor([p["format"] for p in parts])
+                # (buffer 0: the hard rule, zero up to max_new_tokens, which rollouts never pass)
+                per_row[2, lo * G:hi * G] = dapo.overlong_penalty(ro.lengths.cpu(), args.max_new_tokens,
+                                                                  args.overlong_buffer, dtype=torch.float32)
+                per_row[3, lo * G:hi * G] = ro.lengths.cpu().float()
+            correct, fmt, over, lengths = ddp.gather_rows(per_row, world, device).view(4, len(items), G)
+            sampled_tokens.append(int(lengths.sum()))
+            total = correct + fmt + over  # (groups, G)
+            ours = lambda g: lo <= g < hi
+            groups = [dict(item=items[g], rollout=ro if ours(g) else None, rows=list(range((g - lo) * G, (g - lo + 1) * G)),
+                           reward=total[g], correct=correct[g], format=fmt[g], overlong=over[g], lengths=lengths[g],
+                           texts=texts[(g - lo) * G:(g - lo + 1) * G] if ours(g) else None) for g in range(len(items))]
             # DAPO filters groups by correctness alone: all right or all wrong carries no signal.
-            return groups, correct.view(len(items), G)
+            return groups, correct
 
         if args.algo == "dapo" and not args.no_dynamic_sampling:
             groups, _, report = dapo.collect_informative(sample, args.prompts, args.max_sampling_rounds)
@@ -652,7 +1102,8 @@ def main(argv=None):
                      reward_format=torch.stack([g["format"] for g in groups]).mean().item(),
                      reward_overlong=torch.stack([g["overlong"] for g in groups]).mean().item(),
                      accuracy=(correct > 0).float().mean().item())
-        update_metrics = update(args, model, optimizer, params, groups, rewards, encode, sigma, noise_seed, gen_device) if groups else {}
+        update_metrics = update(args, model, optimizer, params, groups, rewards, encode, sigma, noise_seed, gen_device,
+                                world) if groups else {}
         # The schedule counts steps, updated or skipped (no informative groups, a NaN): torch warns when it
         # advances before the optimizer's first step, which here is what is meant.
         with warnings.catch_warnings():
@@ -660,21 +1111,30 @@ def main(argv=None):
             scheduler.step()
         step += 1
         t_total = time.time() - t0
-        lengths = torch.cat([g["rollout"].lengths[g["rows"]].cpu() for g in groups]).float() if groups else torch.zeros(1)
+        lengths = torch.cat([g["lengths"] for g in groups]) if groups else torch.zeros(1)
         m.update(update_metrics, response_length=lengths.mean().item(), response_length_max=lengths.max().item(),
                  time_rollout=t_rollout, time_update=t_total - t_rollout, time_step=t_total,
                  rollout_tokens_per_s=sum(sampled_tokens) / max(t_rollout, 1e-9),
                  peak_memory_gb=(torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else peak_rss_gb()))
         if args.eval_every and step % args.eval_every == 0 and step < args.steps:
             m["heldout_accuracy"] = heldout(step)
+            m["heldout_accuracy_strict"] = strict[step]
+        ddp.same_everywhere(params, world)
+        # The texts of the groups logged to samples.jsonl, from the ranks that sampled them.
+        logged = ddp.union({i: g["texts"][0] for i, g in enumerate(groups[: args.log_samples]) if g["texts"]}, world)
+        if not world.main:
+            bar.update(1)
+            continue
         rows.append(m)
         with open(metrics_path, "a") as f:
             f.write(json.dumps(m) + "\n")
         with open(samples_path, "a") as f:
-            for g in groups[: args.log_samples]:
+            for i, g in enumerate(groups[: args.log_samples]):
                 f.write(json.dumps({"step": step - 1, "question": g["item"]["question"], "gold": g["item"]["answer"],
-                                    "completion": g["texts"][0], "correct": float(g["correct"][0])}) + "\n")
+                                    "completion": logged[i], "correct": float(g["correct"][0])}) + "\n")
         tqdm.write(format_line(m))
+        tracker.log(m, step - 1)
+        wall.update()
         bar.update(1)
         if step % args.plot_every == 0:
             plot(rows, os.path.join(out, "curves.png"), baseline)
@@ -683,23 +1143,37 @@ def main(argv=None):
                 samples_lines = sum(1 for _ in f)
             save_checkpoint(out, model, optimizer, scheduler, {"step": step, "data_pos": stream.pos,
                                                                "baseline_accuracy": baseline, "samples_lines": samples_lines,
-                                                               "aqn_stage": schedule.stage(step)})
+                                                               "aqn_stage": schedule.stage(step),
+                                                               "run_id": getattr(args, "run_id", None)})
     bar.close()
 
     final = heldout(args.steps)
+    if not world.main:
+        ddp.shutdown(world)
+        return None
     rows[-1]["heldout_accuracy"] = final
+    rows[-1]["heldout_accuracy_strict"] = strict[args.steps]
+    tracker.log({"heldout_accuracy": final}, args.steps - 1)
+    tracker.close()
     plot(rows, os.path.join(out, "curves.png"), baseline)
     lora.save_adapter(model, os.path.join(out, "adapter"), base_model_name_or_path=args.model)
     summary = {"baseline_accuracy": baseline, "final_accuracy": final, "improvement": final - baseline,
-               "steps": args.steps, "wall_time_s": time.time() - t_start, "model": args.model, "quant": args.quant,
+               "baseline_accuracy_strict": strict.get(0), "final_accuracy_strict": strict.get(args.steps),
+               "reward": args.reward, "prompt": args.prompt,
+               "steps": args.steps, "wall_time_s": wall.update(), "wall_time_parts_s": wall.parts,
+               "model": args.model, "quant": args.quant,
                "algo": args.algo, "data": args.data, "eval_data": args.eval_data, "eval_items": len(eval_items),
                "eval_temperature": args.eval_temperature, "device": str(device), "out": out}
-    with open(os.path.join(out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
+    hub.write_json(os.path.join(out, "summary.json"), summary)
     print(f"held-out accuracy: {baseline:.3f} -> {final:.3f} ({100 * (final - baseline):+.1f} points) "
           f"in {summary['wall_time_s']:.0f} s")
     print(f"wrote {out}/metrics.jsonl, summary.json, samples.jsonl, curves.png, adapter/")
+    ddp.shutdown(world)
     return summary
+
+
+# evaluate's default completions a generate call (CPU, GPU): the sharded held-out evaluation keeps its batches
+EVAL_BATCH = (256, 64)
 
 
 def peak_rss_gb():
@@ -713,7 +1187,8 @@ def format_line(m):
     return (f"step {m['step']:4d} | reward {f('reward', '%.3f')} acc {f('accuracy', '%.3f')} "
             f"(correct {f('reward_correct', '%.2f')} fmt {f('reward_format', '%.2f')} over {f('reward_overlong', '%.2f')}) "
             f"| ent {f('entropy', '%.3f')} len {f('response_length', '%.1f')} | clip {f('clip_frac_low', '%.3f')}/"
-            f"{f('clip_frac_high', '%.3f')} kl {f('kl_ref', '%.4f')} | filtered {m['filtered_groups']} | sigma {m['sigma']:.1e} "
+            f"{f('clip_frac_high', '%.3f')} kl {f('kl_ref', '%.4f')} | sampler-trainer kl {f('mismatch_kl', '%.1e')} "
+            f"max {f('mismatch_ratio_max', '%.2f')} | filtered {m['filtered_groups']} | sigma {m['sigma']:.1e} "
             f"| t {m['time_rollout']:.1f}+{m['time_update']:.1f}s {m['rollout_tokens_per_s']:.0f} tok/s "
             f"| mem {m['peak_memory_gb']:.2f}GB" + (f" | held-out {m['heldout_accuracy']:.3f}" if "heldout_accuracy" in m else ""))
 

@@ -1,7 +1,17 @@
 """Shared fixtures: tiny random Hugging Face checkpoints written with save_pretrained, so that every
-test compares our code against transformers on a real folder (config.json + safetensors)."""
-import pytest
+test compares our code against transformers on a real folder (config.json + safetensors).
+
+Without a GPU, Triton runs kernels only in its interpreter, which it reads from TRITON_INTERPRET once,
+when triton is first imported: so it is switched on here, before any test module imports triton
+(the library modules leave that choice to their callers)."""
+import os
+
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 
 def make_hf_model(arch="qwen2", seed=0, **overrides):
@@ -29,3 +39,18 @@ def hf_folder(tmp_path):
             hf.save_pretrained(folder)
         return hf, str(folder)
     return make
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every float buffer created with torch.empty starts as NaN for the duration of the test, so an output
+    element a kernel forgot to write fails the comparison."""
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)

@@ -30,7 +30,7 @@ def norm_weights(model):
 # ---------------------------------------------------------------------------------------------
 
 def test_schedule_every_stage_boundary():
-    s = aqn.AQNSchedule(100)  # defaults: 10 stages, 1e-2 → 5e-4
+    s = aqn.AQNSchedule(100, sigma_end=5e-4)  # the paper's text: 10 stages, 1e-2 → 5e-4
     for k in range(10):
         first, last = 10 * k, 10 * k + 9
         assert s.stage(first) == k and s.stage(last) == k
@@ -38,7 +38,7 @@ def test_schedule_every_stage_boundary():
         assert s.sigma(last) == pytest.approx(PAPER[k], rel=1e-4)
     assert s.sigma(0) == 0.0 and s.sigma(9) == 0.0  # stage 0 is noise-free
     assert s.stage(-5) == 0 and s.stage(100) == 9 and s.stage(10**6) == 9  # clamped
-    official = aqn.AQNSchedule(100, sigma_end=1e-4)
+    official = aqn.AQNSchedule(100)  # the defaults: the official scripts' 1e-2 → 1e-4
     assert [official.sigma(10 * k) for k in range(10)] == pytest.approx(OFFICIAL, rel=1e-4)
 
 

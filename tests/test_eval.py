@@ -75,12 +75,13 @@ def test_missing_or_malformed_input_fails_clearly(tmp_path):
 
 def test_breakdown_by_level_and_subject():
     """MATH-style items carry level and subject; the summary groups avg@K by them."""
+    import hub
     import model
 
     items = [{"question": f"What is {a} + {b}?", "answer": str(a + b), "kind": "gsm8k", "level": lvl, "subject": subj}
              for a, b, lvl, subj in [(2, 3, 1, "Algebra"), (4, 4, 2, "Algebra"), (7, 1, 2, "Geometry")]]
     m = model.Transformer.from_pretrained("tiny", dtype=torch.float32)
-    tok = model.load_tokenizer("tiny")
+    tok = hub.load_tokenizer("tiny")
     res = ev.evaluate(m, tok, items, samples=3, temperature=1.0, top_p=1.0, max_new_tokens=8, batch_size=4, seed=1)
     assert {k: v["n"] for k, v in res["by_level"].items()} == {"1": 3, "2": 6}
     assert {k: v["n"] for k, v in res["by_subject"].items()} == {"Algebra": 6, "Geometry": 3}

@@ -1,5 +1,6 @@
 """grpo.py: hand-computed cases, a plain-Python float64 reference of the published formulas, the
-gradient's sign, where clipping kills the gradient, and micro-batch accumulation for every agg mode."""
+gradient's sign, where clipping kills the gradient, micro-batch accumulation for every agg mode, and the
+three ratio modes (trainer, sampler, tis) with their mismatch metrics against formulas written here."""
 
 import math
 import statistics
@@ -383,3 +384,85 @@ def test_on_policy_default_and_validation():
         grpo.policy_loss(logp, logp, adv[:2], mask)
     with pytest.raises(ValueError):
         grpo.policy_loss(logp, logp[:, :4], adv, mask)
+
+
+# ---------------------------------------------------------------- the ratio: against the sampler or the trainer
+
+def ref_ratio_modes(mode, logp, sampler, adv, mask, *, eps_low, eps_high, cap, beta=0.0, ref=None):
+    """token-mean loss and gradient for one pass, written from the definitions in plain Python floats:
+    trainer: rho = 1 (old = the trainer's own logp, detached), its gradient -A per token;
+    sampler: rho = pi_t / pi_s, the PPO clip on it; tis: rho = 1 for the clip, times the constant
+    w = min(pi_t / pi_s, cap). Also the mismatch metrics against the sampler."""
+    N = sum(1 for row in mask for k in row if k)
+    loss, grad = 0.0, [[0.0] * len(row) for row in logp]
+    kl = ratio_max = over_cap = 0.0
+    for b in range(len(logp)):
+        for t in range(len(logp[b])):
+            if not mask[b][t]:
+                continue
+            a, lt, ls = adv[b][t], logp[b][t], sampler[b][t]
+            r_ts = math.exp(lt - ls)  # pi_t / pi_s
+            kl += r_ts - (lt - ls) - 1
+            ratio_max = max(ratio_max, r_ts)
+            over_cap += r_ts > cap
+            if mode == "sampler":
+                rho = r_ts
+                clipped = min(max(rho, 1 - eps_low), 1 + eps_high)
+                token = -min(rho * a, clipped * a)
+                dtoken = -rho * a if rho * a <= clipped * a else 0.0
+            else:
+                w = 1.0 if mode == "trainer" else min(r_ts, cap)
+                token, dtoken = -w * a, -w * a  # rho = 1 sits inside the clip range: never clipped
+            if ref is not None:
+                d = ref[b][t] - lt
+                token += beta * (math.exp(d) - d - 1)
+                dtoken += beta * (1 - math.exp(d))
+            loss += token / N
+            grad[b][t] = dtoken / N
+    return loss, grad, {"mismatch_kl": kl / N, "mismatch_ratio_max": ratio_max, "tis_clip_frac": over_cap / N}
+
+
+@pytest.mark.parametrize("mode", grpo.RATIO_MODES)
+@pytest.mark.parametrize("shape,with_ref", [((5, 7), False), ((4, 11), True), ((2, 1), False)])
+def test_ratio_modes_match_their_formulas(mode, shape, with_ref):
+    gen = torch.Generator().manual_seed(seed_of(mode, shape, with_ref))
+    B, T = shape
+    logp, sampler, ref, adv, mask, _ = random_batch(gen, B, T, spread=0.8)  # sampler: NaN in the padding
+    cap = 1.7
+    x = logp.clone().requires_grad_(True)
+    old, w = grpo.sampler_correction(mode, x, sampler, tis_cap=cap)
+    assert (w is None) == (mode != "tis") and (mode == "sampler" or not old.requires_grad)
+    beta = 0.04 if with_ref else 0.0
+    loss, m = grpo.policy_loss(x, old, adv, mask, eps_low=0.2, eps_high=0.28, agg="token-mean", is_weight=w,
+                               sampler_logp=sampler, tis_cap=cap, ref_logp=ref if with_ref else None, beta=beta)
+    loss.backward()
+    want_loss, want_grad, want_m = ref_ratio_modes(mode, logp.tolist(), sampler.tolist(), per_token(adv, T).tolist(),
+                                                   mask.tolist(), eps_low=0.2, eps_high=0.28, cap=cap, beta=beta,
+                                                   ref=ref.tolist() if with_ref else None)
+    assert abs(loss.item() - want_loss) <= TOL
+    torch.testing.assert_close(x.grad, torch.tensor(want_grad, dtype=F64), rtol=0, atol=TOL)
+    for key, value in want_m.items():
+        assert abs(m[key] - value) <= TOL, key
+    if mode != "sampler":  # the ratio is exactly 1: nothing is clipped
+        assert m["ratio_mean"] == 1.0 and m["clip_frac_high"] == m["clip_frac_low"] == 0.0
+
+
+def test_the_three_modes_differ_and_tis_needs_a_cap():
+    gen = torch.Generator().manual_seed(9)
+    logp, sampler, _, adv, mask, _ = random_batch(gen, 6, 9, spread=0.8, empty_row=False)
+    losses = {}
+    for mode in grpo.RATIO_MODES:
+        old, w = grpo.sampler_correction(mode, logp, sampler, tis_cap=2.0)
+        losses[mode] = grpo.policy_loss(logp, old, adv, mask, is_weight=w, agg="token-mean")[0].item()
+    assert len({round(v, 9) for v in losses.values()}) == 3
+    # A second pass: "trainer" takes the first pass's logp, not the current one.
+    before = logp - 0.1
+    old, _ = grpo.sampler_correction("trainer", logp, sampler, trainer_logp=before)
+    assert torch.equal(old, before)
+    for cap in (None, 0.0):
+        with pytest.raises(ValueError, match="tis_cap"):
+            grpo.sampler_correction("tis", logp, sampler, tis_cap=cap)
+    with pytest.raises(ValueError, match="ratio mode"):
+        grpo.sampler_correction("vllm", logp, sampler)
+    with pytest.raises(ValueError, match="is_weight"):
+        grpo.policy_loss(logp, logp, adv, mask, is_weight=logp[:, :3])

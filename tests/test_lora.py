@@ -1,6 +1,8 @@
 """LoRA: the module's math against float64, freezing, gradients reaching A and B (B moves after one
 AdamW step, on an fp32 and an NVFP4 base), disable_adapters, PEFT parity both ways on a tiny random
-Qwen2 saved with transformers, the merge CLI, and the errors for broken adapter folders."""
+Qwen2 saved with transformers, the merge CLI, the errors for broken adapter folders, and trained RMSNorms
+(PEFT's modules_to_save): PEFT parity both ways, load/merge/disable, and their tensors kept in place
+through an optimizer step and AQN's noise."""
 import json
 import math
 import os
@@ -423,3 +425,133 @@ def test_clear_errors_for_broken_adapter_folders(hf_folder, tmp_path):
     assert (tmp_path / "precious" / "notes.txt").read_text() == "keep me"
     with pytest.raises(ValueError, match="no LoRA"):
         lora.save_adapter(fresh(), tmp_path / "none")
+
+
+# ---------------------------------------------------------------------------------------------
+# Trained norms (PEFT's modules_to_save)
+# ---------------------------------------------------------------------------------------------
+
+def randomize_norms(model, seed=2, std=0.1):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for w in lora.trained_norms(model).values():
+            w.add_(torch.randn(w.shape, generator=g) * std)
+
+
+def test_trained_norms_load_in_peft_and_back_with_same_logits(hf_folder, tmp_path):
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    hf, folder = hf_folder(num_hidden_layers=3)
+    model = ours(folder)
+    params = lora.apply_lora(model, rank=4, alpha=8)
+    norms = lora.train_norms(model)
+    assert len(norms) == 2 * 3 and all(p.requires_grad and p.dtype == torch.float32 for p in norms)
+    assert not model.norm.weight.requires_grad and not model.embed_tokens.weight.requires_grad  # the final norm stays
+    randomize_adapters(model, seed=3)
+    randomize_norms(model, seed=4)
+    out = lora.save_adapter(model, tmp_path / "adapter", base_model_name_or_path=folder)
+    cfg = json.load(open(os.path.join(out, "adapter_config.json")))
+    assert cfg["modules_to_save"] == ["input_layernorm", "post_attention_layernorm"]
+    with safe_open(os.path.join(out, "adapter_model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        saved = f.get_tensor("base_model.model.model.layers.1.post_attention_layernorm.weight")
+    assert len(keys) == 2 * 7 * 3 + 2 * 3
+    assert torch.equal(saved, model.layers[1].post_attention_layernorm.weight)
+
+    tok = tokens(model.config.vocab_size, B=3, T=11, seed=5)
+    with torch.no_grad():
+        got = model(tok)
+        with lora.disable_adapters(model):  # the base: adapters off and the norms at their base values
+            base_ours = model(tok)
+        after = model(tok)
+        base = hf(tok).logits
+        want = PeftModel.from_pretrained(hf, out).eval()(tok).logits  # PEFT reads our modules_to_save
+    torch.testing.assert_close(base_ours, base, rtol=0, atol=1e-5)
+    assert torch.equal(after, got)  # disable_adapters put the trained norms back
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+    # load_adapter brings both back, on a fresh model and on one prepared as train.py prepares it.
+    fresh = ours(folder)
+    loaded = lora.load_adapter(fresh, out)
+    assert len(loaded) == 2 * 7 * 3 + 2 * 3 and lora.trained_norms(fresh)
+    torch.testing.assert_close(fresh(tok), got, rtol=0, atol=0)
+    prepared = ours(folder)
+    lora.apply_lora(prepared, rank=4, alpha=8)
+    ptrs = [p.data_ptr() for p in lora.train_norms(prepared)]
+    lora.load_adapter(prepared, out)
+    assert [p.data_ptr() for p in lora.trained_norms(prepared).values()] == ptrs  # loaded in place
+    torch.testing.assert_close(prepared(tok), got, rtol=0, atol=0)
+    lora.save_adapter(fresh, tmp_path / "again")  # what load_adapter read, it saves again
+
+    # A PEFT adapter with modules_to_save loads into ours with PEFT's logits.
+    hf2, _ = hf_folder(num_hidden_layers=3)
+    peft_model = get_peft_model(hf2, LoraConfig(r=4, lora_alpha=4, target_modules=list(TARGETS),
+                                                modules_to_save=list(lora.NORMS), task_type="CAUSAL_LM"))
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    peft_model.eval().save_pretrained(tmp_path / "peft")
+    theirs = ours(folder)
+    lora.load_adapter(theirs, tmp_path / "peft")
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(tok), peft_model(tok).logits, rtol=0, atol=1e-5)
+
+
+def test_norm_updates_and_aqn_noise_keep_the_tensors_in_place(hf_folder):
+    import aqn
+
+    _, folder = hf_folder()
+    model = ours(folder)
+    params = lora.apply_lora(model, rank=4, alpha=8)
+    norms = lora.train_norms(model)
+    ptrs = [p.data_ptr() for p in norms]
+    before = [p.detach().clone() for p in norms]
+    tok = tokens(model.config.vocab_size, B=2, T=9, seed=1)
+    for foreach in (False, True):
+        opt = torch.optim.AdamW([{"params": params}, {"params": norms, "weight_decay": 0.0}], lr=1e-2,
+                                weight_decay=0.1, foreach=foreach)
+        model(tok).float().logsumexp(-1).mean().backward()
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in norms)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert [p.data_ptr() for p in norms] == ptrs  # the decoder's CUDA graphs read these addresses
+    assert all(not torch.equal(p, b) for p, b in zip(norms, before))
+    trained = [p.detach().clone() for p in norms]
+    with aqn.noise(model, 1e-2, torch.Generator().manual_seed(0)):  # noise on the CURRENT (trained) values
+        assert all(not torch.equal(p, t) for p, t in zip(norms, trained))
+        assert [p.data_ptr() for p in norms] == ptrs
+    assert all(torch.equal(p, t) for p, t in zip(norms, trained))  # restored bit for bit
+
+
+def test_merge_writes_the_trained_norms(hf_folder, tmp_path):
+    _, folder = hf_folder()
+    model = ours(folder)
+    lora.apply_lora(model, rank=4, alpha=8, targets=("q_proj", "down_proj"))
+    lora.train_norms(model)
+    randomize_adapters(model, seed=5)
+    randomize_norms(model, seed=6)
+    adapter = lora.save_adapter(model, tmp_path / "adapter")
+    merged = ours(lora.merge(folder, adapter, str(tmp_path / "merged"), dtype=torch.float32))
+    tok = tokens(model.config.vocab_size, B=2, T=8, seed=7)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(tok), model(tok), rtol=0, atol=1e-5)
+
+
+def test_trained_norm_folders_are_checked(hf_folder, tmp_path):
+    _, folder = hf_folder()
+    model = ours(folder)
+    lora.apply_lora(model, rank=4, alpha=8)
+    plain = lora.save_adapter(model, tmp_path / "plain")
+    lora.train_norms(model)
+    with pytest.raises(KeyError, match="trains its norms"):
+        lora.load_adapter(model, plain)
+    normed = lora.save_adapter(model, tmp_path / "normed")
+    cfg = json.load(open(os.path.join(normed, "adapter_config.json")))
+    json.dump({**cfg, "modules_to_save": ["lm_head"]}, open(os.path.join(normed, "adapter_config.json"), "w"))
+    with pytest.raises(ValueError, match="modules_to_save"):
+        lora.read_adapter(normed)
+    json.dump({**cfg, "modules_to_save": ["input_layernorm"]}, open(os.path.join(normed, "adapter_config.json"), "w"))
+    with pytest.raises(ValueError, match="unexpected tensor"):  # post_attention_layernorm's weights are not listed
+        lora.read_adapter(normed)

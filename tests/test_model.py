@@ -1,5 +1,5 @@
-"""model.py against transformers: logits and greedy continuations on tiny random checkpoints,
-the KV cache, NVFP4 loading, and the error paths."""
+"""model.py against transformers: logits on tiny random checkpoints, NVFP4 loading, and the error
+paths. (Decoding through the model's KV-cache interface is tested with the sampler, tests/test_rollout.py.)"""
 import json
 import os
 
@@ -38,51 +38,6 @@ def test_sharded_checkpoint(hf_folder):
         assert (hf(tokens).logits - ours(tokens)).abs().max().item() <= 1e-4
 
 
-def greedy(model, tokens, steps):
-    """Greedy decoding through our KV cache, one token at a time."""
-    cache = M.KVCache(model.config, tokens.shape[0], tokens.shape[1] + steps, torch.float32, "cpu")
-    logits = model(tokens, cache=cache)
-    out = []
-    for _ in range(steps):
-        nxt = logits[:, -1].argmax(-1, keepdim=True)
-        out.append(nxt)
-        logits = model(nxt, cache=cache)
-    return torch.cat(out, 1)
-
-
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_greedy_continuation_matches_transformers(hf_folder, arch):
-    hf, folder = hf_folder(arch, seed=4)
-    ours = M.Transformer.from_pretrained(folder, dtype=torch.float32)
-    prompt = torch.randint(0, 101, (2, 7))
-    with torch.no_grad():
-        theirs = hf.generate(prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12, pad_token_id=0)
-        mine = greedy(ours, prompt, 12)
-    assert torch.equal(theirs[:, 7:], mine)
-
-
-def test_cache_with_left_padding_equals_unpadded(hf_folder):
-    _, folder = hf_folder("qwen2")
-    m = M.Transformer.from_pretrained(folder, dtype=torch.float32)
-    short, long = torch.randint(0, 101, (1, 4)), torch.randint(0, 101, (1, 9))
-    batch = torch.cat([torch.cat([torch.zeros(1, 5, dtype=torch.long), short], 1), long])  # (2, 9), row 0 left-padded
-    cache = M.KVCache(m.config, 2, 12, torch.float32, "cpu")
-    cache.valid[0, :5] = False
-    positions = torch.stack([torch.arange(9) - 5, torch.arange(9)]).clamp(min=0)
-    with torch.no_grad():
-        padded = m(batch, positions=positions, cache=cache)[:, -1]
-        nxt = torch.tensor([[3], [5]])
-        step = m(nxt, positions=positions[:, -1:] + 1, cache=cache)[:, -1]
-        alone_short = m(torch.cat([short, nxt[:1]], 1))
-        alone_long = m(torch.cat([long, nxt[1:]], 1))
-    assert torch.allclose(padded[0], alone_short[0, -2], atol=1e-5)
-    assert torch.allclose(padded[1], alone_long[0, -2], atol=1e-5)
-    assert torch.allclose(step[0], alone_short[0, -1], atol=1e-5)
-    assert torch.allclose(step[1], alone_long[0, -1], atol=1e-5)
-    with pytest.raises(ValueError, match="overflow"):
-        m(torch.zeros(2, 5, dtype=torch.long), cache=cache)
-
-
 def test_nvfp4_model_close_to_bf16_model(hf_folder, tmp_path):
     hf, folder = hf_folder("qwen2", hidden_size=128, intermediate_size=256)
     dense = M.Transformer.from_pretrained(folder, dtype=torch.float32)
@@ -95,7 +50,12 @@ def test_nvfp4_model_close_to_bf16_model(hf_folder, tmp_path):
     tokens = torch.randint(0, 101, (2, 16))
     with torch.no_grad():
         a, b, c = dense(tokens), on_load(tokens), from_disk(tokens)
-    assert torch.equal(b, c)  # quantize-on-load and the checkpoint round trip give the same model
+    # The checkpoint gives each fused group (q/k/v, gate/up) one shared global scale, as vLLM needs;
+    # quantize-on-load keeps each linear's own (more accurate): o/down identical, the rest close.
+    for (name, m1), m2 in zip(on_load.named_modules(), from_disk.modules()):
+        if isinstance(m1, fp4_gemm.QuantLinear) and name.split(".")[-1] in ("o_proj", "down_proj"):
+            assert torch.equal(m1.weight_packed, m2.weight_packed) and torch.equal(m1.weight_scale, m2.weight_scale)
+    assert ((b - c).norm() / b.norm()).item() < 0.1
     # Each weight carries ~9.5% relative RMS error (sqrt of NVFP4's 0.009 MSE), compounding
     # through the layers of a random model: close, but really quantized.
     rel = ((a - b).norm() / a.norm()).item()
@@ -230,23 +190,12 @@ def test_errors(hf_folder, tmp_path, monkeypatch):
     with pytest.raises(KeyError, match="does not use"):
         M.Transformer.from_pretrained(folder)
     json.dump({**config, "intermediate_size": 80}, open(os.path.join(folder, "config.json"), "w"))
-    with pytest.raises(ValueError, match="checkpoint shape"):
+    with pytest.raises(ValueError, match=r"model.safetensors: .* has shape .*, but config.json makes it"):
         M.Transformer.from_pretrained(folder)
     os.remove(os.path.join(folder, "model.safetensors"))
     json.dump(config, open(os.path.join(folder, "config.json"), "w"))
     with pytest.raises(FileNotFoundError, match="no model.safetensors"):
         M.Transformer.from_pretrained(folder)
-
-
-def test_offline_hub_id_says_what_to_do(monkeypatch):
-    import huggingface_hub
-
-    def offline(*args, **kwargs):
-        raise OSError("network unreachable")
-
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
-    with pytest.raises(RuntimeError, match="huggingface-cli download Qwen/Qwen2.5-7B-Instruct"):
-        M.resolve_model_dir("qwen2.5-7b")
 
 
 def test_config_reads_both_rope_layouts():
@@ -258,16 +207,6 @@ def test_config_reads_both_rope_layouts():
         M.Config({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(ValueError, match="sliding"):
         M.Config({**base, "use_sliding_window": True})
-
-
-def test_stop_token_ids_of_the_bundled_tokenizer():
-    """The ids that end a turn (eval, train and rollout's chat share them): eos and Qwen's <|im_end|> /
-    <|endoftext|>, each once; a new eos joins them."""
-    tok = M.load_tokenizer("tiny")
-    want = {tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>"), tok.eos_token_id}
-    assert M.stop_token_ids(tok) == sorted(want) and len(want) == 2  # (eos is <|im_end|>)
-    tok.add_special_tokens({"eos_token": "<|zz|>"})
-    assert M.stop_token_ids(tok) == sorted(want | {tok.convert_tokens_to_ids("<|zz|>")})
 
 
 def test_rmsnorm_is_the_float32_formula():
@@ -285,13 +224,3 @@ def test_rmsnorm_is_the_float32_formula():
         ref = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.double()
         step = 2**-8 if dtype == torch.bfloat16 else 1e-6
         assert ((norm(x).double() - ref).abs() <= step * ref.abs() + 1e-12).all()
-
-
-def test_resolve_device():
-    """--device: None takes the GPU when there is one; cuda where torch sees none stops with a message
-    (not torch's assertion at the first .to())."""
-    assert M.resolve_device("cpu") == torch.device("cpu")
-    assert M.resolve_device(None).type == ("cuda" if torch.cuda.is_available() else "cpu")
-    if not torch.cuda.is_available():
-        with pytest.raises(SystemExit, match="--device cuda: .* run with --device cpu"):
-            M.resolve_device("cuda")

@@ -172,7 +172,8 @@ def test_checkpoint_layout_and_round_trip(hf_folder, tmp_path):
     assert keys["lm_head.weight"].dtype == hf.lm_head.weight.dtype  # lm_head stays high precision
     assert "model.norm.weight" in keys and "model.layers.1.self_attn.q_proj.bias" in keys
     w = hf.model.layers[1].mlp.up_proj.weight.detach()
-    q = nvfp4.quantize(w)
+    gate = hf.model.layers[1].mlp.gate_proj.weight.detach()
+    q = nvfp4.quantize(w, global_scale=nvfp4.shared_global_scale([gate, w]))  # gate/up share one scale
     p = "model.layers.1.mlp.up_proj."
     assert torch.equal(keys[p + "weight_packed"], q.packed)
     assert torch.equal(keys[p + "weight_scale"].float(), q.scale.float())

@@ -1,104 +1,73 @@
-"""rollout.py against independent references: one full forward pass over the finished sequences
-(logprobs, truncation sets), transformers' greedy generate, each prompt decoded alone; plus seeds,
-stop / length bookkeeping, prefill sharing and the sampler's distribution. The fused step runs with
-torch ops and (under Triton's interpreter on CPU) with the Triton kernels."""
-import os
-
+"""rollout.py's plain sampler against independent references: one full forward pass over the finished
+sequences (logprobs, truncation sets), transformers' greedy generate, a plain argmax loop over the
+model's cache interface, each prompt decoded alone, the same prompts unshared; plus seeds, stop /
+length bookkeeping and the sampler's distribution. (The engine is tested against this sampler in
+tests/engine/test_decode.py.)"""
 import pytest
 import torch
 
 import aqn
-import fp4_gemm
-import lora
 import model as M
 import rollout
-
-# head_dim 32 so that the Triton kernels (tl.dot needs >= 16 per half-head) can run too
-CFG = dict(hidden_size=64, intermediate_size=96, num_attention_heads=2, num_key_value_heads=1, vocab_size=97)
+from rollout_ref import CFG, full_forward_z, load, prompts_of, rows
 
 
-# On a CPU-only machine fp4_gemm switches Triton's interpreter on, and the kernels run on CPU tensors.
-interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton interpreter not active")
-
-
-def load(hf_folder, quantize=False, with_lora=True, seed=0, **overrides):
-    hf, folder = hf_folder("qwen2", seed=seed, **{**CFG, **overrides})
-    ours = M.Transformer.from_pretrained(folder, dtype=torch.float32, quantize=quantize)
-    if with_lora:
-        lora.apply_lora(ours, rank=4, alpha=8)
-        gen = torch.Generator().manual_seed(seed + 1)
-        with torch.no_grad():  # nonzero B so the adapters change the logits
-            for m in lora.lora_modules(ours).values():
-                m.lora_B.weight.normal_(0, 0.3, generator=gen)
-    return hf, ours
-
-
-def prompts_of(lengths, vocab, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-def full_forward_z(model, prompt, completion, temperature):
-    """z = logits / T at the positions that predicted each completion token, from one plain forward."""
-    seq = torch.tensor([prompt + completion], device=model.device)
-    with torch.no_grad():
-        logits = model(seq)[0].double()  # (L, V)
-    return logits[len(prompt) - 1: len(prompt) - 1 + len(completion)] / (temperature or 1.0)
-
-
-def rows(r):
-    return [(i, r.tokens[i, : int(r.lengths[i])].tolist()) for i in range(r.tokens.shape[0])]
-
-
-@pytest.mark.parametrize("kernels,quantize", [("torch", False), pytest.param("triton", False, marks=interpreted),
-                                              ("torch", True)])
-def test_logprobs_equal_full_forward(hf_folder, kernels, quantize):
+@pytest.mark.parametrize("quantize", [False, True])
+def test_logprobs_equal_full_forward(hf_folder, quantize):
     _, model = load(hf_folder, quantize=quantize)
     prompts = prompts_of([5, 1, 9], 97, seed=1)
     T, n = 0.8, 3
     with aqn.noise(model, 0.05, torch.Generator().manual_seed(0)):  # AQN in place on the norms
         r = rollout.generate(model, prompts, n=n, max_new_tokens=7, temperature=T, top_p=0.9,
-                             stop_ids=(3, 11, 50), seed=5, kernels=kernels)
+                             stop_ids=(3, 11, 50), seed=5, kernels="torch")
         assert r.tokens.shape[0] == len(prompts) * n and r.prompt_index.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
         for i, comp in rows(r):
             z = full_forward_z(model, prompts[i // n], comp, T)
             ref = torch.log_softmax(z, -1).gather(1, torch.tensor(comp)[:, None])[:, 0]
             assert (r.logprobs[i, : len(comp)].double() - ref).abs().max() <= 1e-4
             assert (r.logprobs[i, len(comp):] == 0).all() and (r.tokens[i, len(comp):] == 0).all()
-    assert r.stats["kernels"] == kernels and r.stats["prefill_rows"] == len(prompts)
+    assert r.stats["kernels"] == "torch" and r.stats["prefill_rows"] == len(prompts)
 
 
-@pytest.mark.parametrize("quantize", [False, True])
-def test_fused_projections_share_the_model_weights(hf_folder, quantize):
-    """The decoder's stacked q|k|v and gate|up weights are the model's own memory (the linears hold
-    views of their rows): no copy, the same forward before and after, and a later in-place change of a
-    weight is seen by the next rollout."""
-    _, model = load(hf_folder, quantize=quantize)
-    seq = torch.tensor([prompts_of([6], 97, seed=3)[0]])
+def test_odd_shapes(hf_folder):
+    """head_dim 24 (not a power of two), 3 query heads on 1 kv head, a one-token prompt next to a long one,
+    one new token and many: the logprobs still equal one full forward's."""
+    _, model = load(hf_folder, with_lora=False, seed=2, hidden_size=72, num_attention_heads=3,
+                    num_key_value_heads=1, intermediate_size=40, vocab_size=53)
+    prompts = prompts_of([1, 13, 4], 53, seed=2)
+    for new in (1, 6):
+        r = rollout.generate(model, prompts, n=2, max_new_tokens=new, temperature=1.1, top_k=7, seed=1)
+        assert r.tokens.shape == (6, new) and r.finish == ["length"] * 6
+        for i, comp in rows(r):
+            z = full_forward_z(model, prompts[i // 2], comp, 1.1)
+            ref = torch.log_softmax(z, -1).gather(1, torch.tensor(comp)[:, None])[:, 0]
+            assert (r.logprobs[i, : len(comp)].double() - ref).abs().max() <= 1e-4
+
+
+def greedy_loop(model, tokens, steps):
+    """Greedy decoding through the model's cache interface with rollout's KVCache, one token at a time:
+    the plainest loop there is, unpadded rows of equal length."""
+    cache = rollout.KVCache(model.config, tokens.shape[0], tokens.shape[1] + steps, torch.float32, "cpu")
+    logits = model(tokens, cache=cache)
+    out = []
+    for _ in range(steps):
+        nxt = logits[:, -1].argmax(-1, keepdim=True)
+        out.append(nxt)
+        logits = model(nxt, cache=cache)
+    return torch.cat(out, 1)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_greedy_matches_transformers(hf_folder, arch):
+    hf, folder = hf_folder(arch, seed=3, **CFG)
+    model = M.Transformer.from_pretrained(folder, dtype=torch.float32)
+    prompts = prompts_of([6, 6], 97, seed=2)
     with torch.no_grad():
-        before = model(seq)
-    rollout.generate(model, prompts_of([4], 97), max_new_tokens=2, seed=0, kernels="torch")
-    for layer in model.layers:
-        for mods in ((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
-                     (layer.mlp.gate_proj, layer.mlp.up_proj)):
-            tensors = [m.base.weight_packed if quantize else m.base.weight for m in mods]
-            storage = {t.untyped_storage().data_ptr() for t in tensors}
-            assert len(storage) == 1, "the stacked weight is a copy"
-            assert tensors[0].data_ptr() == next(iter(storage))  # first rows first
-    with torch.no_grad():
-        assert torch.equal(model(seq), before)
-        greedy = rollout.generate(model, [seq[0].tolist()], max_new_tokens=1, temperature=0, kernels="torch")
-        q = model.layers[0].self_attn.q_proj.base
-        (q.weight_packed if quantize else q.weight).zero_()  # in place, as a loader would write
-        changed = rollout.generate(model, [seq[0].tolist()], max_new_tokens=1, temperature=0, kernels="torch")
-        assert not torch.equal(greedy.logprobs, changed.logprobs)
-        want = torch.log_softmax(model(seq)[0, -1].double(), -1)[changed.tokens[0, 0]]
-        assert abs(changed.logprobs[0, 0].item() - want.item()) <= 1e-5
-
-
-def test_greedy_matches_transformers(hf_folder):
-    hf, model = load(hf_folder, with_lora=False, seed=3)
-    for prompt in prompts_of([6, 2], 97, seed=2):
+        theirs = hf.generate(torch.tensor(prompts), max_new_tokens=14, min_new_tokens=14, do_sample=False,
+                             pad_token_id=0)[:, 6:]
+        loop = greedy_loop(model, torch.tensor(prompts), 14)
+    assert torch.equal(theirs, loop)
+    for prompt in prompts_of([6, 2], 97, seed=2):  # one at a time: transformers does not left-pad here
         with torch.no_grad():
             theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=14, min_new_tokens=14, do_sample=False,
                                  pad_token_id=0)[0, len(prompt):].tolist()
@@ -106,59 +75,35 @@ def test_greedy_matches_transformers(hf_folder):
         assert r.tokens[0].tolist() == theirs and r.finish == ["length"]
 
 
-@pytest.mark.parametrize("kernels", ["torch", pytest.param("triton", marks=interpreted)])
-def test_padded_batch_equals_each_prompt_alone(hf_folder, kernels):
+def test_cache_with_left_padding_equals_unpadded(hf_folder):
+    _, folder = hf_folder("qwen2")
+    m = M.Transformer.from_pretrained(folder, dtype=torch.float32)
+    short, long = torch.randint(0, 101, (1, 4)), torch.randint(0, 101, (1, 9))
+    batch = torch.cat([torch.cat([torch.zeros(1, 5, dtype=torch.long), short], 1), long])  # (2, 9), row 0 left-padded
+    cache = rollout.KVCache(m.config, 2, 12, torch.float32, "cpu")
+    cache.valid[0, :5] = False
+    positions = torch.stack([torch.arange(9) - 5, torch.arange(9)]).clamp(min=0)
+    with torch.no_grad():
+        padded = m(batch, positions=positions, cache=cache)[:, -1]
+        nxt = torch.tensor([[3], [5]])
+        step = m(nxt, positions=positions[:, -1:] + 1, cache=cache)[:, -1]
+        alone_short = m(torch.cat([short, nxt[:1]], 1))
+        alone_long = m(torch.cat([long, nxt[1:]], 1))
+    assert torch.allclose(padded[0], alone_short[0, -2], atol=1e-5)
+    assert torch.allclose(padded[1], alone_long[0, -2], atol=1e-5)
+    assert torch.allclose(step[0], alone_short[0, -1], atol=1e-5)
+    with pytest.raises(ValueError, match="KV cache overflow"):
+        m(torch.zeros(2, 3, dtype=torch.long), cache=cache)
+
+
+def test_padded_batch_equals_each_prompt_alone(hf_folder):
     _, model = load(hf_folder, seed=4)
     prompts = prompts_of([2, 11, 5, 1], 97, seed=3)
-    batch = rollout.generate(model, prompts, max_new_tokens=9, temperature=0.0, kernels=kernels)
+    batch = rollout.generate(model, prompts, max_new_tokens=9, temperature=0.0)
     for i, p in enumerate(prompts):
-        alone = rollout.generate(model, [p], max_new_tokens=9, temperature=0.0, kernels="torch")
+        alone = rollout.generate(model, [p], max_new_tokens=9, temperature=0.0)
         assert batch.tokens[i].tolist() == alone.tokens[0].tolist()
         assert torch.allclose(batch.logprobs[i], alone.logprobs[0], atol=1e-5)
-
-
-@interpreted
-def test_triton_kernels_match_torch_path_sampling(hf_folder):
-    """Same seed, same draws: the interpreted kernels (hash RNG, split softmax, top-k threshold) pick
-    the tokens the torch path picks."""
-    _, model = load(hf_folder, seed=5)
-    prompts = prompts_of([4, 7], 97, seed=4)
-    kw = dict(n=4, max_new_tokens=6, temperature=1.2, top_k=20, seed=11, stop_ids=(7,))
-    a = rollout.generate(model, prompts, kernels="torch", **kw)
-    b = rollout.generate(model, prompts, kernels="triton", **kw)
-    assert torch.equal(a.tokens, b.tokens) and a.finish == b.finish
-    assert torch.allclose(a.logprobs, b.logprobs, atol=1e-4)
-
-
-@interpreted
-def test_attention_chunks_follow_the_current_column(hf_folder):
-    """The decode attention splits each row's columns [pad, col] into chunks as the column moves: a
-    long prompt next to a short (left-padded) one, chunks of 64 columns, more than the row has (some
-    empty); the kernels' rollout is the torch path's (SDPA over the whole row)."""
-    _, model = load(hf_folder, seed=8)
-    prompts = prompts_of([127, 3], 97, seed=8)
-    kw = dict(max_new_tokens=6, temperature=0.0)
-    a = rollout.generate(model, prompts, kernels="torch", **kw)
-    b = rollout.generate(model, prompts, kernels="triton", **kw)
-    st = next(iter(model.__dict__["_rollout_decoder"].states.values()))
-    assert st.attn_split > 127 // 64 + 1
-    assert torch.equal(a.tokens, b.tokens)
-    assert torch.allclose(a.logprobs, b.logprobs, atol=1e-4)
-
-
-def test_attention_grid_fits_in_one_wave():
-    """D = 128 on 132 SMs: a program holds 102, 70 or 38 KB of shared memory at 4, 3 or 2 stages in bf16,
-    so 2, 3 or 5 fit an SM (fp32 blocks take twice the room). The split: about 2 programs an SM, at most
-    one per 64 columns, cut to what fits at 4 stages where 2 or more chunks a pair still do; then the
-    deepest pipeline under which the whole grid fits."""
-    assert [rollout._attn_per_sm(s, 128, 2) for s in (4, 3, 2)] == [2, 3, 5]
-    assert [rollout._attn_per_sm(s, 128, 4) for s in (4, 3, 2)] == [1, 1, 3]
-    grid = lambda rows, S=768: rollout._attn_grid(rows * 4, S, 132, 128, 2)  # 4 kv heads a row
-    assert grid(1) == (12, 4) and grid(1, 100) == (2, 4)  # one chunk per 64 columns at most
-    assert grid(8) == (8, 4)  # 9 chunks for 2 an SM, cut to the 8 that fit at 4 stages
-    assert grid(16) == (4, 4) and grid(32) == (2, 4)
-    assert grid(64) == (2, 2)  # a cut to 1 chunk is not made; 512 programs fit only at 2 stages
-    assert grid(99) == (1, 3) and grid(100) == (1, 2) and grid(1000) == (1, 2)
 
 
 def test_seeds_reproduce_and_differ(hf_folder):
@@ -185,48 +130,18 @@ def test_stop_tokens_and_max_length_per_row(hf_folder):
             assert first == len(comp) - 1  # the stop token ends the completion and is counted
         else:
             assert first is None and len(comp) == 5
-        assert (r.tokens[i, len(comp):] == 0).all()
+        assert (r.tokens[i, len(comp):] == 0).all() and (r.logprobs[i, len(comp):] == 0).all()
 
 
-@pytest.mark.parametrize("kernels,n,shrinks", [("torch", 4, [8, 4, 2, 1]),
-                                               pytest.param("triton", 2, [4, 2, 1], marks=interpreted)])
-def test_finished_rows_leave_the_batch(hf_folder, kernels, n, shrinks):
-    """As rows stop, the live ones move into a state of half the rows or fewer (views of the same cache),
-    and the later steps run only those rows: the same completions, logprobs, lengths and finish reasons,
-    in the call's row order, as the rollout that keeps every row to the end; and (torch path) the same
-    again when the next call reuses the smaller states, whose cache rows the first call moved around."""
-    _, model = load(hf_folder, seed=12)
-    stops = set(range(3, 97, 9))  # ~1/9 a token: the rows end after 1 to ~20 tokens
-    prompts = prompts_of([3, 6, 2, 5], 97, seed=13)
-    kw = dict(n=n, max_new_tokens=40, temperature=1.3, stop_ids=stops, seed=5, kernels=kernels)
-    ref = rollout.generate(model, prompts, compact=False, **kw)
+def test_every_row_stopped_ends_the_loop_and_stream_sees_each_step(hf_folder):
+    _, model = load(hf_folder, seed=7)
     seen = []
-    hook = model.embed_tokens.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[0]))
-    runs = [rollout.generate(model, prompts, **kw) for _ in range(2 if kernels == "torch" else 1)]
-    hook.remove()
-    assert ref.stats["shrinks"] == [] and len(set(ref.lengths.tolist())) > 4
-    for got in runs:
-        assert [rows for _, rows in got.stats["shrinks"]] == shrinks
-        assert torch.equal(got.tokens, ref.tokens) and got.finish == ref.finish
-        assert torch.equal(got.lengths, ref.lengths)
-        assert torch.allclose(got.logprobs, ref.logprobs, atol=1e-5, rtol=0)
-    steps = seen[1: runs[0].stats["steps"]]  # the first call's decode steps: seen[0] is its prefill
-    moves = runs[0].stats["shrinks"]  # [(step, rows)]
-    for (t, rows), (t_next, _) in zip(moves, moves[1:] + [(len(steps), None)]):
-        assert steps[t:t_next] == [rows] * (t_next - t)  # the steps after the shrink at step t ran `rows` rows
-        live = (ref.lengths > t + 1).sum().item()  # rows that had not ended by output step t
-        assert live <= rows < 2 * live
-
-
-def test_early_stop_benchmark_times_both_ways(hf_folder):
-    """rollout.py --bench --early-stop: both rollouts of the same prompts and stops, on the CPU here."""
-    _, model = load(hf_folder, seed=14)
-    r = rollout._bench_early_stop(model, batch=32, prompt_len=4, new_tokens=40, mean_len=24, seed=0, rounds=2,
-                                  kernels="torch")
-    off, on = r[False], r[True]
-    assert 0 < off["stopped"] < 64 and 1 < off["mean"] < 40 and off["longest"] == off["steps"] == [40, 40]
-    assert (on["stopped"], on["mean"], on["longest"], on["steps"]) == (off["stopped"], off["mean"], [40, 40], [40, 40])
-    assert off["shrinks"] == [] and on["shrinks"] and off["tok_s"] > 0 and on["tok_s"] > 0
+    r = rollout.generate(model, prompts_of([3, 5], 97, seed=6), n=2, max_new_tokens=50, temperature=1.0,
+                         stop_ids=range(1, 97, 3), seed=2, pad_id=96, stream=lambda t, toks: seen.append((t, toks)))
+    assert r.finish == ["stop"] * 4 and r.stats["steps"] == int(r.lengths.max()) < 50
+    assert [t for t, _ in seen] == list(range(r.stats["steps"]))
+    assert torch.equal(torch.stack([toks for _, toks in seen], 1), r.tokens)
+    assert all((r.tokens[i, int(r.lengths[i]):] == 96).all() for i in range(4))  # pad_id after a stop
 
 
 @pytest.mark.parametrize("top_p,top_k", [(0.6, 0), (1.0, 3), (0.8, 5)])
@@ -248,90 +163,20 @@ def test_top_p_top_k_stay_inside_their_sets(hf_folder, top_p, top_k):
 
 
 def test_samples_share_the_prompt_prefill(hf_folder):
+    """The 3 distinct prompts run once (left-padded to 8), then every step runs all 15 rows; and the
+    rollout is the one of the same prompts written out n times (row i·n + j either way)."""
     _, model = load(hf_folder, seed=9)
     seen = []
     hook = model.embed_tokens.register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
     prompts = prompts_of([5, 3, 8], 97, seed=8)
-    r = rollout.generate(model, prompts, n=5, max_new_tokens=4, temperature=1.0, seed=0)
+    kw = dict(max_new_tokens=4, temperature=1.0, seed=0, stop_ids=(5,))
+    r = rollout.generate(model, prompts, n=5, **kw)
     hook.remove()
-    prefill = [s for s in seen if len(s) == 2]
-    assert prefill == [(3, 8)]  # one pass over the 3 distinct prompts (left-padded to 8), not 15 rows
-    assert r.tokens.shape[0] == 15 and seen[1:] == [(15,)] * 3  # then one decode step of all rows per token
-
-
-@pytest.mark.parametrize("kernels", ["torch", pytest.param("triton", marks=interpreted)])
-def test_prefill_in_chunks_gives_the_same_rollout(hf_folder, monkeypatch, kernels):
-    """A prefill split into chunks of whole prompts (PREFILL_CHUNK_TOKENS) writes each chunk's K/V into the
-    rows of its own prompts' samples, from a row past the first chunk's: the same rollout as in one pass."""
-    _, model = load(hf_folder, seed=10)
-    prompts = prompts_of([6, 2, 9], 97, seed=9)
-    kw = dict(n=2, max_new_tokens=5, temperature=1.0, seed=3, kernels=kernels)
-    ref = rollout.generate(model, prompts, **kw)
-    monkeypatch.setattr(rollout, "PREFILL_CHUNK_TOKENS", 9)  # one prompt (padded to 9 tokens) a chunk
-    seen = []
-    hook = model.embed_tokens.register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
-    got = rollout.generate(model, prompts, **kw)
-    hook.remove()
-    assert [s for s in seen if len(s) == 2] == [(1, 9)] * 3
-    assert torch.equal(ref.tokens, got.tokens) and not torch.equal(got.tokens[0], got.tokens[2])
-    assert torch.allclose(ref.logprobs, got.logprobs, atol=1e-5)
-
-
-@interpreted
-def test_samples_of_a_prompt_read_its_cached_prompt_together(hf_folder, monkeypatch):
-    """The kernels attend over a group's shared prompt from its first row's cache only: the other rows'
-    copies of the prompt may hold anything (NaN here) and the rollout does not change by a bit. Four query
-    heads a program: each group of 3 rows (2 query heads each) in two programs, of 2 rows and 1."""
-    _, model = load(hf_folder, seed=3)
-    prompts = prompts_of([4, 7], 97, seed=2)
-    kw = dict(n=3, max_new_tokens=5, temperature=1.0, seed=7, kernels="triton")
-    monkeypatch.setattr(rollout, "SHARED_HEADS", 4)
-    ref = rollout.generate(model, prompts, **kw)
-    prefill = rollout.Decoder.prefill
-
-    def poisoned(self, st, prompts, n, Lp, sp, **k):
-        prefill(self, st, prompts, n, Lp, sp, **k)
-        copies = torch.arange(st.N) % n != 0
-        st.k[:, copies, :, :Lp] = float("nan")
-        st.v[:, copies, :, :Lp] = float("nan")
-
-    monkeypatch.setattr(rollout.Decoder, "prefill", poisoned)
-    got = rollout.generate(model, prompts, **kw)
-    assert torch.equal(ref.tokens, got.tokens) and torch.equal(ref.logprobs, got.logprobs)
-    assert not torch.equal(ref.tokens[0], ref.tokens[1])  # the rows of a group did sample apart
-
-
-@interpreted
-@pytest.mark.parametrize("k_step", [32, 64])
-def test_ops_store_their_output_in_the_next_gemms_k_order(hf_folder, k_step):
-    """With k_step the kernels before a GEMM (add_rmsnorm, the attention, silu_mul) store their output in
-    fp4_gemm's K order (what the warp-specialized wgmma kernel reads, so that its own ordering launch
-    is skipped on the GPU): exactly the natural output gathered by wgmma_k_order, on both paths; the
-    Triton path as the first rows of a buffer of 8 (the rows the GEMM's tiles of x read)."""
-    _, model = load(hf_folder, seed=5, intermediate_size=128)
-    g = torch.Generator().manual_seed(6)
-    rnd = lambda *shape: torch.randn(*shape, generator=g)
-    for kernels in ("triton", "torch"):
-        dec = rollout.Decoder(model, kernels=kernels, graphs=False)
-        order = lambda t: t[:, fp4_gemm.wgmma_k_order(t.shape[1], k_step, t.device)]
-        x, delta = rnd(5, 64), rnd(5, 64)
-        norm = dec.layers[0].ln2
-        assert torch.equal(dec.add_rmsnorm(x, delta, norm, (k_step, 8))[1], order(dec.add_rmsnorm(x, delta, norm)[1]))
-        grp = dec.layers[0].gu
-        grp.refresh()
-        gu, a = rnd(5, 256), rnd(5, 2 * grp.R)
-        assert torch.equal(dec.silu_mul(gu, a, grp, (k_step, 8)), order(dec.silu_mul(gu, a, grp)))
-        st = dec.state(3, 128)
-        st.k.normal_(generator=g)
-        st.v.normal_(generator=g)
-        st.counters.copy_(torch.tensor([9, 1]))
-        st.pad.copy_(torch.tensor([0, 2, 5]))
-        q = rnd(3, 2, 32)
-        terms = None if dec.triton else dec.step_terms(st)
-        got, ref = dec.attention(q, st, 1, terms, (k_step, 8)), dec.attention(q, st, 1, terms)
-        assert torch.equal(got, order(ref)) and not torch.equal(got, ref)
-        if dec.triton:
-            assert got.untyped_storage().nbytes() == 8 * 64 * got.element_size()
+    assert seen[0] == (3, 8) and set(seen[1:]) == {(15, 1)} and len(seen) == r.stats["steps"]
+    unshared = rollout.generate(model, [p for p in prompts for _ in range(5)], n=1, **kw)
+    assert torch.equal(r.tokens, unshared.tokens) and r.finish == unshared.finish
+    assert torch.allclose(r.logprobs, unshared.logprobs, atol=1e-5)
+    assert r.prompt_index.tolist() == [i for i in range(3) for _ in range(5)]
 
 
 def test_sampler_draws_from_the_softmax():
@@ -358,14 +203,33 @@ def test_sampler_draws_from_the_softmax():
     assert not torch.equal(rollout.sample_reference(logits, keys, 4)[0], rollout.sample_reference(logits, keys, 5)[0])
 
 
+def test_noise_is_a_function_of_row_key_step_and_token_only():
+    """The Gumbel noise of a row does not depend on the batch around it: a row's draws alone equal its
+    draws among others, and mix32 agrees with 32-bit arithmetic done in Python."""
+    keys = rollout.row_keys(2**40 + 7, torch.arange(9))
+    assert torch.equal(rollout.gumbel_noise(keys[4:5], 3, 50)[0], rollout.gumbel_noise(keys, 3, 50)[4])
+
+    def mix(x):
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) & 0xFFFFFFFF
+        x ^= x >> 15
+        x = (x * 0x846CA68B) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+
+    xs = [0, 1, 12345, 2**31, 2**32 - 1]
+    assert rollout.mix32(torch.tensor(xs)).tolist() == [mix(x) for x in xs]
+
+
 def test_rejects_bad_arguments(hf_folder):
     _, model = load(hf_folder, with_lora=False)
-    with pytest.raises(ValueError):
-        rollout.generate(model, [[]])
-    with pytest.raises(ValueError):
-        rollout.generate(model, [[1, 2]], top_p=0.0)
+    for bad in (dict(prompts=[[]]), dict(prompts=[]), dict(top_p=0.0), dict(temperature=-1.0), dict(top_k=-1),
+                dict(n=0), dict(max_new_tokens=0)):
+        with pytest.raises(ValueError):
+            rollout.generate(model, bad.pop("prompts", [[1, 2]]), **bad)
+    with pytest.raises(ValueError, match="kernels must be"):
+        rollout.generate(model, [[1, 2]], kernels="cuda")
     with pytest.raises(ValueError, match="graphs=True needs a model on a CUDA GPU"):  # (load: on the CPU)
-        rollout.generate(model, [[1, 2]], graphs=True)
+        rollout.generate(model, [[1, 2]], graphs=True, kernels="torch")
 
 
 def test_chat_with_a_missing_model_says_so():
@@ -373,170 +237,17 @@ def test_chat_with_a_missing_model_says_so():
         rollout.main(["--model", "/no/such/model", "--prompt", "hi", "--device", "cpu"])
 
 
-def test_a_dropped_model_frees_its_decoder_at_once(hf_folder):
-    """The decoder generate() keeps on a model (its caches and graphs: GBs on a GPU) goes with the model when
-    the last reference to it does, without waiting for the garbage collector: no reference cycle."""
-    import gc
-    import weakref
-
-    _, model = load(hf_folder, quantize=True)
-    rollout.generate(model, prompts_of([3, 5], 97), n=2, max_new_tokens=4, stop_ids=(7,), seed=0)
-    gone = weakref.ref(model.__dict__["_rollout_decoder"]), weakref.ref(model)
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        del model
-        assert all(ref() is None for ref in gone)
-    finally:
-        if collecting:
-            gc.enable()
+def test_chat_with_an_empty_prompt_says_so(capsys):
+    with pytest.raises(SystemExit):
+        rollout.main(["--model", "tiny", "--prompt", "  "])
+    assert "--prompt is empty" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        rollout.main(["--model", "tiny"])
+    assert "pass --model and --prompt" in capsys.readouterr().err
 
 
-def test_bench_rejects_a_mean_length_below_one_token():
-    with pytest.raises(SystemExit):  # argparse's error, before anything is built
-        rollout.main(["--bench", "--early-stop", "0.5"])
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
-def test_bench_without_a_gpu_says_so():
-    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
-        rollout.main(["--bench"])
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_graphs_and_kernels_match_eager_torch(hf_folder):
-    hf, folder = hf_folder("qwen2", seed=10, **{**CFG, "hidden_size": 256, "num_attention_heads": 4,
-                                                 "num_key_value_heads": 2, "intermediate_size": 512})
-    model = M.Transformer.from_pretrained(folder, dtype=torch.float32, device="cuda")
-    lora.apply_lora(model, rank=8, alpha=16)
-    with torch.no_grad():
-        for m in lora.lora_modules(model).values():
-            m.lora_B.weight.normal_(0, 0.1)
-    prompts = prompts_of([13, 4, 30], 97, seed=9)
-    kw = dict(n=3, max_new_tokens=40, temperature=0.9, top_p=0.95, seed=1, stop_ids=(5,))
-    ref = rollout.generate(model, prompts, kernels="torch", graphs=False, **kw)
-    fast = rollout.generate(model, prompts, kernels="triton", graphs=True, **kw)
-    assert fast.stats["graphs"] and fast.stats["kernels"] == "triton"
-    same = (fast.tokens == ref.tokens).all(1).float().mean()
-    assert same >= 0.8  # fp32 everywhere; a rare near-tie may flip one draw
-    for i, comp in rows(fast):
-        z = full_forward_z(model, prompts[i // 3], comp, 0.9)
-        lp = torch.log_softmax(z, -1).gather(1, torch.tensor(comp, device=z.device)[:, None])[:, 0]
-        assert (fast.logprobs[i, : len(comp)].double() - lp).abs().max() <= 1e-3
-
-
-def gpu_lora_model(hf_folder, seed, quantize=True):
-    """A small bf16 model (NVFP4 base unless quantize=False) on the GPU with rank-8 LoRA on every
-    projection, B nonzero."""
-    _, folder = hf_folder("qwen2", seed=seed, **{**CFG, "hidden_size": 256, "num_attention_heads": 4,
-                                                  "num_key_value_heads": 2, "intermediate_size": 512})
-    model = M.Transformer.from_pretrained(folder, dtype=torch.bfloat16, device="cuda", quantize=quantize)
-    lora.apply_lora(model, rank=8, alpha=16)
-    with torch.no_grad():
-        for m in lora.lora_modules(model).values():
-            m.lora_B.weight.normal_(0, 0.2)
-    return model
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("prompts,n,kernel", [(4, 1, "mma"), (4, 2, "mma"), (2, 4, None), (5, 8, None)])
-def test_gpu_nvfp4_lora_decode_in_bf16(hf_folder, prompts, n, kernel):
-    """The bf16 NVFP4 decode of 4, 8 and 40 rows: logprobs match one full forward with the adapters (to
-    bf16 rounding) far better than they match the model without them. kernel="mma": every GEMM through
-    the mma kernel, which computes the group's LoRA A product in the same launch
-    (fp4_gemm.fp4_linear_side; the plan uses it up to 8 rows off Hopper, at one row on it); None: the
-    plan's kernels (on Hopper wgmma, with the LoRA A products on the decoder's second stream; at 40 rows
-    the warp-specialized variant, whose x the kernels before it store in its K order)."""
-    model = gpu_lora_model(hf_folder, seed=11)
-    prompts = prompts_of([13, 4, 30, 7, 19][:prompts], 97, seed=12)
-    with fp4_gemm.backend("auto", kernel=kernel):
-        r = rollout.generate(model, prompts, n=n, max_new_tokens=24, temperature=1.0, seed=3, kernels="triton",
-                             graphs=True)
-    if torch.cuda.get_device_capability() == (9, 0):
-        (st,) = model.__dict__["_rollout_decoder"].states.values()
-        assert [k for k, _ in st.x_orders[0]] == ([256] * 4 if st.N > 32 else [0] * 4)
-    err, effect = error_and_adapter_effect(model, prompts, n, r)
-    print(f"n={n}: |decode - full forward| {err:.4f}, |without - with adapters| {effect:.4f}")
-    assert err < 0.1 * effect
-
-
-def error_and_adapter_effect(model, prompts, n, r):
-    """Mean |logprob of the rollout r - that of one full forward| over its tokens (temperature 1), and
-    the mean |change| of those full-forward logprobs when the adapters are switched off."""
-    err, effect = [], []
-    for i, comp in rows(r):
-        idx = torch.tensor(comp, device="cuda")[:, None]
-        lp = torch.log_softmax(full_forward_z(model, prompts[i // n], comp, 1.0), -1).gather(1, idx)[:, 0]
-        with lora.disable_adapters(model):
-            lp0 = torch.log_softmax(full_forward_z(model, prompts[i // n], comp, 1.0), -1).gather(1, idx)[:, 0]
-        err.append((r.logprobs[i, : len(comp)].double() - lp).abs())
-        effect.append((lp0 - lp).abs())
-    return torch.cat(err).mean().item(), torch.cat(effect).mean().item()
-
-
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
-                    reason="programmatic dependent launch needs a Hopper or newer GPU")
-@pytest.mark.parametrize("prompts,n,quantize", [(1, 1, True), (2, 8, True), (5, 8, True), (2, 8, False)])
-def test_gpu_programmatic_launch_gives_the_same_rollout(hf_folder, monkeypatch, prompts, n, quantize):
-    """With programmatic dependent launch (fp4_gemm.pdl_opts: each decode kernel may be scheduled before
-    the one ahead of it has finished, and waits for it in pdl_wait) the graphed LoRA decode gives the
-    same tokens and logprobs, bit for bit, as plain launches: a kernel touching memory before the wait
-    would race. NVFP4 base: 1 row runs the mma kernel (the LoRA A products in its launch), 16 rows the
-    wgmma kernel on Hopper, 40 rows its warp-specialized variant (x stored in its K order by the kernels
-    before it); bf16 base: cuBLAS. From 16 rows the LoRA A products run on the decoder's second stream."""
-    model = gpu_lora_model(hf_folder, seed=13, quantize=quantize)
-    assert fp4_gemm.pdl_opts(model.device)["PDL"]
-    kw = dict(n=n, max_new_tokens=32, temperature=1.0, seed=4, kernels="triton", graphs=True)
-    ps = prompts_of([21, 9, 14, 3, 30][:prompts], 97, seed=14)
-    runs = []
-    for on in (True, False):
-        monkeypatch.setitem(fp4_gemm._choice, "pdl", on)
-        rollout.release(model)  # a new decoder: its graphs are captured with (or without) PDL
-        runs.append(rollout.generate(model, ps, **kw))
-    assert torch.equal(runs[0].tokens, runs[1].tokens) and torch.equal(runs[0].logprobs, runs[1].logprobs)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("quantize", [True, False])
-def test_gpu_short_prefill_replays_its_graph(hf_folder, quantize):
-    """A short prefill (rollout.PREFILL_GRAPH_TOKENS) runs eagerly and is captured as a CUDA graph the first
-    time its (prompts, padded length) shape comes, and replays it after, for prompts of other lengths in the
-    same bucket too: the same tokens and logprobs bit for bit as the eager prefill of the same prompts, and
-    logprobs that match one full forward."""
-    model = gpu_lora_model(hf_folder, seed=15, quantize=quantize)
-    kw = dict(n=2, max_new_tokens=16, temperature=1.0, seed=5, kernels="triton", graphs=True)
-    first, other = prompts_of([37, 20], 97, seed=16), prompts_of([50, 61], 97, seed=17)  # both padded to 64
-    runs = [rollout.generate(model, ps, **kw) for ps in (first, first, other)]
-    assert [r.stats["prefill"] for r in runs] == ["captured", "replayed", "replayed"]
-    assert runs[0].stats["prompt_len"] == runs[2].stats["prompt_len"] == rollout.PREFILL_BUCKET
-    for replayed, ps in zip(runs[1:], (first, other)):
-        rollout.release(model)  # a new decoder, so that these prompts come first: an eager prefill
-        ref = rollout.generate(model, ps, **kw)
-        assert ref.stats["prefill"] == "captured"
-        assert torch.equal(replayed.tokens, ref.tokens) and torch.equal(replayed.logprobs, ref.logprobs)
-    err, effect = error_and_adapter_effect(model, other, 2, runs[2])
-    assert err < 0.1 * effect
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("quantize", [True, False])
-def test_gpu_finished_rows_leave_the_graph(hf_folder, monkeypatch, quantize):
-    """Graphed, 40 rows (NVFP4: fp4_gemm's warp-specialized kernel) that stop at different steps: the live
-    rows move into smaller states, each with its graph, captured mid-call the first time (its warm-up steps
-    must leave the rows' state as it was). The logprobs match one full forward; a second call with the same
-    seed replays those graphs and gives the same rollout bit for bit. A third with a longer stop list drops
-    every graph (the prefill runs eagerly here, so none is left) and captures them again in the same pool."""
-    monkeypatch.setattr(rollout, "PREFILL_GRAPH_TOKENS", 0)
-    model = gpu_lora_model(hf_folder, seed=16, quantize=quantize)
-    prompts = prompts_of([13, 4, 30, 7, 19], 97, seed=18)
-    kw = dict(n=8, max_new_tokens=96, temperature=1.0, seed=6, kernels="triton", graphs=True)
-    first, again = (rollout.generate(model, prompts, stop_ids=set(range(3, 97, 20)), **kw) for _ in range(2))
-    assert first.stats["shrinks"] and again.stats["shrinks"] == first.stats["shrinks"]
-    assert again.stats["capture_s"] == 0
-    assert torch.equal(first.tokens, again.tokens) and torch.equal(first.logprobs, again.logprobs)
-    longer = rollout.generate(model, prompts, stop_ids=range(3, 97, 5), **kw)  # 19 ids: a new list size
-    assert longer.stats["capture_s"] > 0 and "stop" in longer.finish
-    for r in (first, longer):
-        err, effect = error_and_adapter_effect(model, prompts, 8, r)
-        print(f"shrinks {r.stats['shrinks']}: |decode - full forward| {err:.4f}, |without - with adapters| {effect:.4f}")
-        assert err < 0.1 * effect
+def test_chat_streams_an_answer(capsys):
+    rollout.main(["--model", "tiny", "--prompt", "Tom has 3 apples and buys 4 more. How many now?", "--device", "cpu",
+                  "--max-new-tokens", "8", "--temperature", "0", "--seed", "0"])
+    out = capsys.readouterr()
+    assert out.out.strip() and "sampler plain" in out.err and "8 tokens (length)" in out.err

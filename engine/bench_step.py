@@ -1,4 +1,8 @@
-"""bench.py: full RL steps on one GPU, 16-bit LoRA against NVFP4 LoRA, side by side in one run.
+"""Benchmark of full RL steps on one GPU, 16-bit LoRA against NVFP4 LoRA, side by side in one run.
+
+Speeds up nothing itself: it times what train.py does in a step (rollout.generate, through the engine on
+a GPU, then train.update) at real model shapes. Its code path is tested on the CPU with a tiny shape
+(tests/engine/test_bench_step.py). The tables it printed: results/bench_h200.md.
 
 QeRL's headline claim (arXiv 2510.11696, Sec. 4.3) is that an RL step on an NVFP4 base is faster
 than on a bf16 base (rollout is memory-bound decoding, which reads 3.5x fewer weight bytes) and fits
@@ -16,14 +20,14 @@ and prints rollout tokens/s, update tokens/s, the step time split, peak GPU memo
 (torch.cuda.max_memory_allocated) and the NVFP4 / bf16 ratios. `--mem-cap-gb 80` caps the process
 with torch.cuda.set_per_process_memory_fraction to reproduce an 80 GB card on a larger one.
 `--early-stop MEAN` lets the completions stop as real ones do, after ~MEAN tokens on average (a long
-tail up to --new-tokens): then the rollout's batch shrinks as its rows finish (rollout.py) and the
+tail up to --new-tokens): then the rollout's batch shrinks as its rows finish (engine/decode.py) and the
 update sees fewer tokens. The two bases then decode different tokens and so different lengths (the
 mean_len column); a timed step may also capture the graph of a batch size the warm-up step did not
 reach (capture_s, included in rollout_s).
 
-    python bench.py --size 7b                       # bf16 and NVFP4, 8 prompts x 8, 256 + 1024 tokens
-    python bench.py --size 7b --early-stop 256      # the same, completions of ~256 tokens on average
-    python bench.py --size 32b --modes nvfp4 --mem-cap-gb 80
+    python -m engine.bench_step --size 7b                   # bf16 and NVFP4, 8 prompts x 8, 256 + 1024 tokens
+    python -m engine.bench_step --size 7b --early-stop 256  # the same, completions of ~256 tokens on average
+    python -m engine.bench_step --size 32b --modes nvfp4 --mem-cap-gb 80
 """
 import argparse
 import gc
@@ -34,6 +38,7 @@ import torch
 import lora
 import rollout
 import train
+from engine.bench_rollout import mean_length, random_stop_ids
 from model import Transformer, qwen25_config
 
 
@@ -45,7 +50,7 @@ def parse_args(argv=None):
     p.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
     p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens")
     p.add_argument("--new-tokens", type=int, default=1024, help="generated tokens per completion (forced)")
-    p.add_argument("--early-stop", type=rollout.mean_length, default=0, metavar="MEAN",
+    p.add_argument("--early-stop", type=mean_length, default=0, metavar="MEAN",
                    help="instead of forcing --new-tokens, let completions stop after ~MEAN tokens on average (a stop "
                         "list of vocab/MEAN random ids; at most --new-tokens), as real ones do")
     p.add_argument("--steps", type=int, default=2, help="timed RL steps per mode (after one warm-up step)")
@@ -63,17 +68,19 @@ def parse_args(argv=None):
 def stop_ids(a, vocab):
     """The rollout's stop list: none (every completion runs --new-tokens), or with --early-stop MEAN the
     same random ids in every mode, which end a completion after ~MEAN tokens on average
-    (rollout.random_stop_ids)."""
+    (engine.bench_rollout.random_stop_ids)."""
     if not a.early_stop:
         return ()
-    return rollout.random_stop_ids(vocab, a.early_stop, torch.Generator().manual_seed(1))
+    return random_stop_ids(vocab, a.early_stop, torch.Generator().manual_seed(1))
 
 
 def update_args(a):
     """train.update's knobs for one on-policy DAPO pass: train.py's own defaults (its DAPO recipe), with
-    this benchmark's micro-batch, completion length and checkpointing."""
+    this benchmark's micro-batch, completion length and checkpointing, and truncated completions kept in
+    the loss: forced-length ones are all truncated, and masking them would leave the update nothing to do."""
     return train.recipe(train.parse_args(["--algo", "dapo", "--micro-batch", str(a.micro_batch), "--max-new-tokens",
-                                          str(a.new_tokens), "--checkpointing", a.checkpointing]))
+                                          str(a.new_tokens), "--checkpointing", a.checkpointing,
+                                          "--no-mask-truncated"]))
 
 
 def sync(device):
@@ -127,8 +134,8 @@ def run_mode(a, mode, device, cfg):
                checkpointing="on" if metrics["checkpointing"] else "off")
     if a.decode_batch1:
         with torch.no_grad():
-            # the warm-up at the timed call's shape, whose graphs it captures (a shorter one made another state,
-            # and the timed call captured its own: 32B 104.6 -> 118.4 tok/s, session 31)
+            # the warm-up at the timed call's shape, whose graphs it captures (a shorter one makes another state,
+            # and the timed call would capture its own)
             rollout.generate(model, prompts[:1], n=1, max_new_tokens=a.new_tokens, stop_ids=(), seed=0)
             sync(device)
             t0 = time.time()
@@ -146,7 +153,7 @@ def run_mode(a, mode, device, cfg):
 def main(argv=None):
     a = parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("bench.py needs a CUDA GPU")
+        raise SystemExit("engine.bench_step needs a CUDA GPU")
     device = torch.device("cuda")
     total = torch.cuda.get_device_properties(0).total_memory
     if a.mem_cap_gb:

@@ -1,0 +1,18 @@
+"""The engine room: what makes the idea files fast on a GPU, one topic a file, each tested against the
+idea-file function it speeds up (tests/engine/). fp4_gemm.py and rollout.py each reach it at one
+dispatch point, and only on a GPU (or for a kernel a test pins).
+
+ptx.py         the E2M1/E4M3 decode as inline PTX, and a warp-wide emulator of it for CPU tests
+pdl.py         programmatic dependent launch: a kernel scheduled while the one before finishes
+mma.py         decode's kernels for 1-8 rows of x: the mma.sync tensor-core GEMV, the fp32 GEMV
+wgmma.py       Hopper's wgmma kernels (Gluon): warp-specialized, persistent, stream-K
+korder.py      x in the wgmma kernels' K order, and the API for callers that store x that way
+plan.py        which kernel serves which shape (a fixed table), dequant + cuBLAS, the launches
+side.py        a small dense product (decode's LoRA A's) riding along in the GEMM's launch
+bench_gemm.py  python -m engine.bench_gemm --bench | --tune: the kernels against cuBLAS bf16
+
+decode.py          the decode engine behind rollout.generate on a GPU (one CUDA graph a step)
+decode_kernels.py  its fused Triton kernels: the small ops between a decode step's GEMMs
+bench_rollout.py   the decode engine's tokens/s, NVFP4 + LoRA against bf16 + LoRA
+bench_step.py      full RL steps on one GPU, 16-bit LoRA against NVFP4 LoRA
+"""

@@ -1,0 +1,323 @@
+"""Benchmark of the decode engine: tokens/s of rollout.generate at Qwen2.5 shapes, NVFP4 + LoRA vs bf16 + LoRA.
+
+Speeds up nothing itself: it times engine/decode.py (the engine behind rollout.generate on a GPU) on
+random-weight models of the real shapes (no checkpoint needed), prompt 256 and 512 new tokens forced,
+LoRA r32 unmerged on every projection, AQN noise on; --check first compares the engine's rollout with
+rollout.py's plain sampler and one full forward. Its CPU parts are tested in
+tests/engine/test_bench_rollout.py. The tables it printed: results/rollout_h200.md.
+
+    python -m engine.bench_rollout --bench                 # (the same as python rollout.py --bench)
+    python -m engine.bench_rollout --bench --no-big --batches 16 32 128
+    python -m engine.bench_rollout --bench --batches 64 --new-tokens 1024 --early-stop 256   # rows that stop early
+"""
+import argparse
+import gc
+import time
+from types import SimpleNamespace
+
+import torch
+import triton
+
+import fp4_gemm
+import lora
+import rollout
+from engine.decode import generate
+from model import Transformer, qwen25_config
+from rollout import release
+
+
+def _add_lora(model, rank, seed=0):
+    """LoRA rank `rank` on all seven projections, with nonzero B (B = 0 would still cost the same, but
+    a nonzero adapter proves the step really adds it)."""
+    lora.apply_lora(model, rank=rank, alpha=2 * rank, dtype=torch.float32)
+    gen = torch.Generator(device=model.device).manual_seed(seed)
+    with torch.no_grad():
+        for m in lora.lora_modules(model).values():
+            m.lora_B.weight.normal_(0, 1e-3, generator=gen)
+
+
+def random_stop_ids(vocab, mean_len, gen):
+    """A stop list that ends a random-weights rollout's rows after ~mean_len tokens on average: such a model
+    picks nearly uniform tokens, so vocab / mean_len random ids (drawn with `gen`) end a row with that
+    chance a token, geometrically (a long tail, as real completions have). For the benchmarks."""
+    return torch.randperm(vocab, generator=gen)[: max(1, round(vocab / mean_len))].tolist()
+
+
+def mean_length(text):
+    """argparse type of --early-stop: a mean completion length in tokens (>= 1), or 0 for none."""
+    value = float(text)
+    if value and value < 1:
+        raise argparse.ArgumentTypeError(f"a mean completion length in tokens (>= 1), or 0 for none; got {value:g}")
+    return value
+
+
+def _bench_one(model, batch, prompt_len, new_tokens, seed, **kw):
+    V = model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, V, (batch, prompt_len), generator=gen).tolist()
+    warm = generate(model, prompts, max_new_tokens=new_tokens, stop_ids=(), seed=seed, **kw)  # compile + capture
+    r = generate(model, prompts, max_new_tokens=new_tokens, stop_ids=(), seed=seed + 1, **kw)
+    s = r.stats
+    assert int(r.lengths.min()) == new_tokens, "a row stopped early in the forced-length benchmark"
+    return dict(batch=batch, tok_s=batch * new_tokens / (s["prefill_s"] + s["decode_s"]),
+                ms_step=1e3 * s["decode_s"] / max(1, s["steps"] - 1), prefill_ms=1e3 * s["prefill_s"],
+                prefill=s["prefill"], first_prefill_ms=1e3 * warm.stats["prefill_s"], capture_s=warm.stats["capture_s"],
+                graphs=s["graphs"], kernels=s["kernels"])
+
+
+def _bench_early_stop(model, batch, prompt_len, new_tokens, mean_len, seed, rounds=3, **kw):
+    """Rows that stop after ~mean_len tokens on average (random_stop_ids). The same `rounds` rollouts (seeds)
+    with and without moving the live rows into
+    smaller states (generate's compact), each timed after a first call with its seed, which compiles and
+    captures what that rollout needs. How long a rollout runs is set by its longest row, which differs
+    between the two ways (their GEMMs of fewer rows round differently, and a near-tie flips): the rounds
+    average some of that out. Returns {compact: totals over the rounds}."""
+    V = model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, V, (batch, prompt_len), generator=gen).tolist()
+    stops = random_stop_ids(V, mean_len, gen)
+    res = {}
+    for compact in (False, True):
+        def rollouts():
+            return [generate(model, prompts, max_new_tokens=new_tokens, stop_ids=stops, seed=seed + 1 + i,
+                             compact=compact, **kw) for i in range(rounds)]
+        rollouts()  # compiles and captures
+        rs = rollouts()
+        secs = sum(r.stats["prefill_s"] + r.stats["decode_s"] for r in rs)
+        lengths = torch.cat([r.lengths.cpu() for r in rs])
+        res[compact] = dict(s=secs / rounds, tok_s=int(lengths.sum()) / secs, steps=[r.stats["steps"] for r in rs],
+                            shrinks=rs[0].stats["shrinks"], mean=float(lengths.float().mean()),
+                            longest=[int(r.lengths.max()) for r in rs], stopped=sum(r.finish.count("stop") for r in rs))
+    return res
+
+
+def _check(model):
+    """On the GPU, at the real shape: the graphed Triton step against rollout.py's plain sampler (same seed)
+    and both against one full forward pass over the finished sequences (with fp4_gemm's kernels and
+    with its torch reference path); for an NVFP4 model also the fused q|k|v GEMM against the separate
+    layers and the dequantized reference. Returns lines to print."""
+    V = model.config.vocab_size
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, V, (n,), generator=gen).tolist() for n in (37, 100, 5)]
+    kw = dict(n=2, max_new_tokens=48, temperature=1.0, top_p=0.95, seed=3)
+    fast = generate(model, prompts, **kw)
+    ref = rollout.generate(model, prompts, kernels="torch", graphs=False, **kw)  # the plain sampler
+    release(model)
+    lines = [f"check: graphed Triton step vs rollout.py's plain sampler, same seed: "
+             f"{100 * (fast.tokens == ref.tokens).float().mean().item():.1f}% of tokens equal"]
+
+    def full_lp(r, backend):
+        out = []
+        for i in range(r.tokens.shape[0]):
+            comp, p = r.tokens[i, : int(r.lengths[i])].tolist(), prompts[i // 2]
+            with torch.no_grad(), fp4_gemm.backend(backend):
+                z = model(torch.tensor([p + comp], device=model.device))[0, len(p) - 1: len(p) - 1 + len(comp)].float()
+            out.append(torch.log_softmax(z, -1).gather(1, torch.tensor(comp, device=z.device)[:, None])[:, 0])
+        return out
+
+    for name, r in (("graphed Triton", fast), ("plain sampler", ref)):
+        for backend in ("auto", "torch"):
+            d = [(r.logprobs[i, : len(x)] - x).abs() for i, x in enumerate(full_lp(r, backend))]
+            first, rest = torch.stack([x[0] for x in d]), torch.cat([x[1:] for x in d])
+            lines.append(f"    {name} step vs full forward (fp4 backend {backend}): |dlogprob| first token "
+                         f"mean {first.mean():.2e}, later tokens mean {rest.mean():.2e} max {rest.max():.2e}")
+    att = model.layers[0].self_attn
+    mods = [getattr(att, n) for n in ("q_proj", "k_proj", "v_proj")]
+    bases = [m.base if isinstance(m, lora.LoRALinear) else m for m in mods]
+    if all(isinstance(b, fp4_gemm.QuantLinear) for b in bases):
+        fused = fp4_gemm.QuantLinear.concat(bases)
+        w = torch.cat([b.dequantized_weight(torch.float32) for b in bases])  # (N, K)
+        bias = torch.cat([b.bias.float() for b in bases]) if bases[0].bias is not None else 0
+        for M in (1, 6, 64, 300, 2048):
+            x = torch.randn(M, w.shape[1], device=w.device, dtype=model.dtype)
+            y = x.float() @ w.t() + bias
+            err = lambda t: ((t.float() - y).norm() / y.norm()).item()
+            with torch.no_grad():
+                sep = torch.cat([b(x) for b in bases], -1)
+                lines.append(f"    fp4 layer-0 q|k|v, M={M}: rel err fused {err(fused(x)):.1e}, separate {err(sep):.1e}")
+    return "\n".join(lines)
+
+
+def _step_bytes(model):
+    """Bytes one decode step must read at least: every weight the step touches once (embeddings:
+    one row, ignored), LoRA adapters in the model dtype."""
+    n = 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if name.startswith("embed_tokens") and not model.config.tie_word_embeddings:
+            continue
+        n += t.numel() * (model.dtype.itemsize if ".lora_" in name else t.element_size())
+    return n
+
+
+def _profile(model, batch, prompt_len, steps=4):
+    """GPU time per kernel over a few eager decode steps (prefill excluded), grouped: where a step goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    V = model.config.vocab_size
+    prompts = torch.randint(0, V, (batch, prompt_len), generator=torch.Generator().manual_seed(0)).tolist()
+    generate(model, prompts, max_new_tokens=2, graphs=False, stop_ids=(), seed=0)  # compiles; leaves a filled cache
+    dec = model.__dict__["_rollout_decoder"]
+    st = next(reversed(dec.states.values()))
+    sp = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, pad_id=0, stop_ids=())
+    with torch.no_grad():
+        dec.step(st, sp)  # continue the rollout eagerly, one step outside the profile
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                dec.step(st, sp)
+            torch.cuda.synchronize()
+    groups = {}
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t <= 0 or e.key.startswith(("Memcpy", "Memset")) or "aten::" in e.key:
+            continue
+        k = e.key
+        name = ("fp4 gemm" if k.startswith(("_mma_kernel", "_wgmma_kernel", "_wgmma_ws_kernel", "_gemv_kernel",
+                                            "_tiled_kernel", "_splitk_reduce", "_dequant_kernel")) else
+                "fp4 gemm: x in K order" if k.startswith("_k_order_kernel") else
+                "LoRA A (small_linear)" if k.startswith("_small_kernel") else
+                "attention" if "_attn_" in k else "rope+write" if "rope" in k else "silu_mul" if "silu" in k else
+                "add_rmsnorm" if "rmsnorm" in k else "sampler" if "sample" in k else "LoRA B" if "lora_b" in k else
+                "cuBLAS (lm_head, LoRA, bf16 base)" if "gemm" in k.lower() or "gemv" in k.lower() or "cutlass" in k
+                or "sm90" in k or "xmma" in k else "cuBLAS split-K reduces" if "splitKreduce" in k
+                else "other: " + k[:40])
+        g = groups.setdefault(name, [0.0, 0])
+        g[0] += t / steps / 1e3
+        g[1] += e.count / steps
+    total = sum(v[0] for v in groups.values())
+    lines = [f"profile batch {batch}: kernel time per step {total:.3f} ms in {sum(v[1] for v in groups.values()):.0f} launches"]
+    for k, (ms, c) in sorted(groups.items(), key=lambda kv: -kv[1][0]):
+        lines.append(f"    {k:<40} {ms:7.3f} ms  {c:5.0f} launches")
+    return "\n".join(lines)
+
+
+def bench(args):
+    """The issue's table: Qwen2.5-7B shape (random weights), prompt 256, 512 new tokens forced,
+    NVFP4 + LoRA r32 (unmerged) vs bf16 + the same LoRA, batch 1/8/64; then 32B NVFP4 batch 1."""
+    import aqn
+
+    if not torch.cuda.is_available():
+        raise SystemExit("rollout.py --bench (engine/bench_rollout.py) needs a CUDA GPU")
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    print(f"# {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, "
+          f"triton {triton.__version__}")
+    print(f"# prompt {args.prompt_len} tokens, {args.new_tokens} new tokens forced, LoRA rank {args.rank} "
+          f"unmerged on q,k,v,o,gate,up,down, AQN sigma {args.aqn_sigma:g} on the decoder norms", flush=True)
+    rows, notes = [], []
+    models = [("7b", q) for q in args.quants] + ([("32b", "nvfp4")] if args.big else [])
+    for size, quant in models:
+        gc.collect()
+        torch.cuda.empty_cache()
+        t0 = time.perf_counter()
+        model = Transformer.from_random(qwen25_config(size), torch.bfloat16, dev, quantize=quant == "nvfp4", seed=0)
+        _add_lora(model, args.rank)
+        torch.cuda.synchronize()
+        step_gb = _step_bytes(model) / 1e9
+        floor = step_gb / 4.24  # ms: GB / (TB/s)
+        print(f"# built {size} {quant} + LoRA in {time.perf_counter() - t0:.1f} s, "
+              f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB; a step reads >= {step_gb:.2f} GB "
+              f"of weights: floor {floor:.2f} ms at 4.24 TB/s", flush=True)
+        notes.append(f"{size} {quant}: weights read per step {step_gb:.2f} GB, floor {floor:.2f} ms/step")
+        runs = [(b, {}) for b in (args.batches if size == "7b" else [1])]
+        if args.variants and (size, quant) == ("7b", "nvfp4"):
+            runs += [(1, dict(graphs=False)), (1, dict(kernels="torch")), (64, dict(kernels="torch"))]
+        with aqn.noise(model, args.aqn_sigma, torch.Generator(dev).manual_seed(0)):
+            if args.check and size == "7b":
+                try:
+                    line = f"{size} {quant} {_check(model)}"
+                except Exception as e:
+                    line = f"{size} {quant} check failed: {type(e).__name__}: {e}"
+                print(line, flush=True)
+                notes.append(line)
+            for batch, kw in runs:
+                kw = {"kernels": args.kernels, "graphs": args.graphs, **kw}
+                tokens = args.new_tokens if kw["graphs"] is not False else 64  # eager is slow: fewer steps
+                try:
+                    res = _bench_one(model, batch, args.prompt_len, tokens, seed=batch, **kw)
+                except Exception as e:  # keep the rest of the table
+                    line = f"{size} {quant} batch {batch} {kw} failed: {type(e).__name__}: {e}"
+                    print(line, flush=True)
+                    notes.append(line)
+                    continue
+                res.update(size=size, quant=quant)
+                line = (f"{size:>4} {quant:>6} batch {batch:>3}: {res['tok_s']:9.0f} tok/s  decode {res['ms_step']:6.2f} "
+                        f"ms/step  prefill {res['prefill_ms']:7.1f} ms ({res['prefill']}; the shape's first "
+                        f"{res['first_prefill_ms']:.0f})  compile+capture {res['capture_s']:.1f} s  "
+                        f"(kernels {res['kernels']}, graphs {res['graphs']})")
+                print(line, flush=True)
+                if kw == {"kernels": args.kernels, "graphs": args.graphs}:
+                    rows.append(res)
+                else:
+                    notes.append("variant " + line)
+            for batch in (args.batches if args.early_stop and size == "7b" else []):
+                kw = {"kernels": args.kernels, "graphs": args.graphs}
+                r = _bench_early_stop(model, batch, args.prompt_len, args.new_tokens, args.early_stop, seed=batch, **kw)
+                off, on = r[False], r[True]
+                how = lambda x: (f"{x['s']:.2f} s a rollout ({x['tok_s']:.0f} tok/s; {x['stopped']} rows stopped, mean "
+                                 f"{x['mean']:.0f} tokens, longest {x['longest']}, steps {x['steps']})")
+                line = (f"{size:>4} {quant:>6} batch {batch:>3}, rows stopping early, {len(off['steps'])} rollouts each "
+                        f"way: {how(off)} as one batch, {how(on)} moving the live rows to fewer (the first: after "
+                        f"step, rows {on['shrinks']}): {on['tok_s'] / off['tok_s']:.2f}x the tok/s")
+                print(line, flush=True)
+                notes.append(line)
+            if args.profile and (size, quant) == ("7b", "nvfp4"):
+                for b in args.profile:
+                    try:
+                        line = f"{size} {quant} " + _profile(model, b, args.prompt_len)
+                    except Exception as e:
+                        line = f"{size} {quant} profile failed: {type(e).__name__}: {e}"
+                    print(line, flush=True)
+                    notes.append(line)
+        release(model)
+        del model
+    table = _table(rows)
+    print(table)
+    if args.bench_out:
+        with open(args.bench_out, "w") as f:
+            f.write(table + "\n\n" + "\n".join(notes) + "\n")
+    return rows
+
+
+def _table(rows):
+    by = {(r["size"], r["quant"], r["batch"]): r for r in rows}
+    lines = ["| model | batch | NVFP4+LoRA tok/s | ms/step | bf16+LoRA tok/s | ms/step | NVFP4 / bf16 |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for size in ("7b", "32b"):
+        for b in sorted({r["batch"] for r in rows if r["size"] == size}):
+            f4, bf = by.get((size, "nvfp4", b)), by.get((size, "bf16", b))
+            cell = lambda r, k, fmt: format(r[k], fmt) if r else "-"
+            ratio = f"{f4['tok_s'] / bf['tok_s']:.2f}x" if f4 and bf else "-"
+            lines.append(f"| Qwen2.5-{size.upper()} shape | {b} | {cell(f4, 'tok_s', '.0f')} | {cell(f4, 'ms_step', '.2f')} "
+                         f"| {cell(bf, 'tok_s', '.0f')} | {cell(bf, 'ms_step', '.2f')} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Benchmark the decode engine (rollout.generate on a GPU): NVFP4 + LoRA "
+                                            "vs bf16 + LoRA on random Qwen2.5 shapes.")
+    p.add_argument("--bench", action="store_true", help="run the benchmark (the default; kept so that "
+                                                        "`python rollout.py --bench ...` passes its flags here)")
+    p.add_argument("--bench-out", default=None, help="also write the benchmark table (markdown) here")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64], help="benchmark batch sizes")
+    p.add_argument("--quants", nargs="+", default=["nvfp4", "bf16"], help="benchmark base formats")
+    p.add_argument("--no-big", dest="big", action="store_false", help="skip the 32B NVFP4 batch-1 row")
+    p.add_argument("--prompt-len", type=int, default=256, help="benchmark prompt tokens")
+    p.add_argument("--new-tokens", type=int, default=512, help="benchmark new tokens (forced, no stop)")
+    p.add_argument("--rank", type=int, default=32, help="benchmark LoRA rank")
+    p.add_argument("--aqn-sigma", type=float, default=1e-2, help="benchmark AQN noise sigma on the norm weights")
+    p.add_argument("--kernels", default="auto", choices=("auto", "triton", "torch"), help="fused ops: Triton or torch")
+    p.add_argument("--graphs", default="auto", choices=("auto", "on", "off"), help="CUDA graphs for the decode step and short prefills")
+    p.add_argument("--check", action="store_true", help="benchmark: first check the GPU step against rollout.py's plain sampler and a full forward")
+    p.add_argument("--profile", type=int, nargs="*", default=[], help="benchmark: kernel-time profile at these batches")
+    p.add_argument("--variants", action="store_true", help="benchmark: also time eager (no graphs) and torch-op steps")
+    p.add_argument("--early-stop", type=mean_length, default=0, metavar="MEAN",
+                   help="benchmark: also time rollouts whose rows stop after ~MEAN tokens on average (up to "
+                        "--new-tokens), as one batch and moving the live rows into smaller states")
+    args = p.parse_args(argv)
+    args.graphs = {"auto": "auto", "on": True, "off": False}[args.graphs]
+    return bench(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""engine/bench_step.py's RL step on the CPU with a tiny Qwen2 shape: the same code path the GPU table uses
+(rollout with forced length, reward stand-in, train.update) runs and trains."""
+import pytest
+import torch
+
+import model as M
+from engine import bench_step
+
+
+def tiny_shape():
+    return M.Config({**M.qwen25_config("0.5b").raw, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 96})
+
+
+def test_rl_step_runs_and_moves_lora_on_both_bases():
+    a = bench_step.parse_args("--prompts 2 --group-size 3 --prompt-len 5 --new-tokens 6 --steps 1 --lora-rank 4 "
+                              "--micro-batch 4 --decode-batch1".split())
+    for mode in ("bf16", "nvfp4"):
+        r = bench_step.run_mode(a, mode, torch.device("cpu"), tiny_shape())
+        assert r["mode"] == mode and r["rollout_tok_s"] > 0 and r["update_tok_s"] > 0 and r["batch1_tok_s"] > 0
+        assert r["mean_len"] == 6 and r["grad_norm"] > 0  # forced length; the update really had a gradient
+
+
+def test_rl_step_with_completions_that_stop_early():
+    """--early-stop: the completions stop at different lengths (a stop list of vocab/MEAN random ids), and
+    the update trains on what they sampled."""
+    a = bench_step.parse_args("--prompts 4 --group-size 4 --prompt-len 5 --new-tokens 40 --steps 1 --lora-rank 4 "
+                              "--micro-batch 4 --early-stop 8".split())
+    assert len(bench_step.stop_ids(a, 96)) == 12 and bench_step.stop_ids(bench_step.parse_args([]), 96) == ()
+    with pytest.raises(SystemExit):  # a mean length below one token means nothing
+        bench_step.parse_args(["--early-stop", "0.5"])
+    r = bench_step.run_mode(a, "nvfp4", torch.device("cpu"), tiny_shape())
+    assert 1 < r["mean_len"] < 40 and r["grad_norm"] > 0 and r["capture_s"] == 0  # (no graphs on the CPU)

@@ -1,0 +1,100 @@
+"""hub.py: where models come from (resolvers, the offline message, stop tokens, devices) and the rules
+for output folders (never the current folder, the project or the source; a non-empty folder only when
+this command wrote it, or with --force; permissions of an ordinary mkdir; no temporary folder left)."""
+import os
+import stat
+
+import pytest
+import torch
+
+import hub
+
+
+def test_offline_hub_id_says_what_to_do(monkeypatch):
+    import huggingface_hub
+
+    def offline(*args, **kwargs):
+        raise OSError("network unreachable")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(RuntimeError, match="`hf download Qwen/Qwen2.5-7B-Instruct --local-dir DIR`"):
+        hub.resolve_model_dir("qwen2.5-7b")
+
+
+def test_stop_token_ids_of_the_bundled_tokenizer():
+    """The ids that end a turn (eval, train and rollout's chat share them): eos and Qwen's <|im_end|> /
+    <|endoftext|>, each once; a new eos joins them."""
+    tok = hub.load_tokenizer("tiny")
+    want = {tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>"), tok.eos_token_id}
+    assert hub.stop_token_ids(tok) == sorted(want) and len(want) == 2  # (eos is <|im_end|>)
+    tok.add_special_tokens({"eos_token": "<|zz|>"})
+    assert hub.stop_token_ids(tok) == sorted(want | {tok.convert_tokens_to_ids("<|zz|>")})
+
+
+def test_resolve_device():
+    """--device: None takes the GPU when there is one; cuda where torch sees none stops with a message
+    (not torch's assertion at the first .to()); a name torch does not know, too."""
+    assert hub.resolve_device("cpu") == torch.device("cpu")
+    assert hub.resolve_device(None).type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="--device cuda: .* run with --device cpu"):
+            hub.resolve_device("cuda")
+    with pytest.raises(SystemExit, match="--device gpu0: not a device"):
+        hub.resolve_device("gpu0")
+
+
+def test_model_keeps_its_resolver_names():
+    """model.py re-exports the resolvers for the callers that know them as model's (the public API)."""
+    import model
+
+    assert model.resolve_model_dir is hub.resolve_model_dir and model.load_tokenizer is hub.load_tokenizer
+    assert model.read_config("tiny")[2].num_layers == 4
+
+
+def test_check_out_rules(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    for out, message in ((".", "is the current folder"), (str(tmp_path.parent), "a folder holding the current folder"),
+                         (str(src), "is the source"), (hub.HERE, "the project's folder")):
+        for force in (False, True):  # --force never lifts these
+            with pytest.raises(hub.OutputError, match=message):
+                hub.check_out(out, "nvfp4.py", sources=[str(src)], force=force)
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(hub.OutputError, match="is a file"):
+        hub.check_out("a-file", "nvfp4.py")
+    with pytest.raises(hub.OutputError, match="cannot create --out a-file/sub: .*a-file is a file"):
+        hub.check_out("a-file/sub", "nvfp4.py")
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "thesis.txt").write_text("years of work")
+    with pytest.raises(hub.OutputError, match="holds files nvfp4.py did not write .*thesis.txt.*--force"):
+        hub.check_out(str(user), "nvfp4.py")
+    assert hub.check_out(str(user), "nvfp4.py", force=True) == "forced"
+    assert hub.check_out(str(tmp_path / "new"), "nvfp4.py") == "new"
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    hub.mark(str(ours), "eval.py")
+    assert hub.check_out(str(ours), "eval.py") == "ours"
+    with pytest.raises(hub.OutputError, match="was written by eval.py, not nvfp4.py"):
+        hub.check_out(str(ours), "nvfp4.py")
+
+
+def test_new_folder_is_atomic_readable_and_leaves_nothing_on_failure(tmp_path):
+    out = tmp_path / "out"
+    with hub.new_folder(str(out), "nvfp4.py") as tmp:
+        (open(os.path.join(tmp, "a"), "w")).write("1")
+    mask = os.umask(0)
+    os.umask(mask)
+    assert stat.S_IMODE(os.stat(out).st_mode) == 0o777 & ~mask  # not mkdtemp's 0700
+    assert hub.written_by(str(out)) == "nvfp4.py" and (out / "a").read_text() == "1"
+    with pytest.raises(RuntimeError, match="boom"):
+        with hub.new_folder(str(out), "nvfp4.py") as tmp:
+            (open(os.path.join(tmp, "a"), "w")).write("2")
+            raise RuntimeError("boom")
+    assert (out / "a").read_text() == "1"  # the old output is intact
+    assert sorted(os.listdir(tmp_path)) == ["out"]  # and no temporary folder is left
+    with hub.new_folder(str(out), "nvfp4.py") as tmp:  # an earlier output of the same command is replaced
+        (open(os.path.join(tmp, "b"), "w")).write("3")
+    assert sorted(os.listdir(out)) == [hub.MARKER, "b"] and sorted(os.listdir(tmp_path)) == ["out"]
