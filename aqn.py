@@ -63,7 +63,7 @@ would detect (and gradient checkpointing would recompute the forward without the
 
 In place, on purpose. The noise is added with add_() into the norm weights' own memory and the
 saved copies are copy_()'d back on exit, instead of swapping in new tensors: a decode step captured
-in a CUDA graph (rollout.py) replays reads of fixed addresses, so only an in-place change is seen by
+in a CUDA graph (engine/decode.py) replays reads of fixed addresses, so only an in-place change is seen by
 the replay, and the restore is exact because it copies the saved bits rather than subtracting Z.
 
 Departure from the official code, and the test for it. The official QeRL code finds the norms to
