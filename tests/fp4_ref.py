@@ -110,3 +110,18 @@ def forward_case(kernel, case):
     lead = [(), (2,), (2, 1)][case % 3]
     err = run_case(M, K, N, dtype, bias, per_row, lead, seed=case + 100 * len(kernel), path="triton", kernel=kernel)
     return err, tol(dtype), (M, K, N, dtype, bias, per_row)
+
+
+def check_split_k(linear, plan, M, K, N):
+    """One split-K case of a kernel launcher `linear(x, packed, scale_u8, global_scale, bias, plan)`:
+    per-row global scales, a bias, bf16 x; within 1e-2 of float64 and bit-identical when called again
+    (the partials' workspace and any tile counters are left ready for the next call)."""
+    q = make_q(N, K, per_row=True, seed=5)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16).to(DEV)
+    b = torch.randn(N, generator=g).to(torch.bfloat16).to(DEV)
+    y = linear(x, q.packed, q.scale.view(torch.uint8), q.global_scale, b, plan)
+    ref = x.double().cpu() @ ref_weight(q.packed, q.scale, q.global_scale).t() + b.double().cpu()
+    assert torch.isfinite(y).all()
+    assert rel_err(y, ref) <= 1e-2
+    assert torch.equal(linear(x, q.packed, q.scale.view(torch.uint8), q.global_scale, b, plan), y)

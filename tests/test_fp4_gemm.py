@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import fp4_gemm
-from fp4_ref import (DEV, SHAPES, assert_replays_in_a_graph, forward_case, gpu_only, make_q, needs_triton, ref_weight,
-                     rel_err, run_case, tol)
+from fp4_ref import (DEV, SHAPES, assert_replays_in_a_graph, check_split_k, forward_case, gpu_only, make_q,
+                     needs_triton, ref_weight, rel_err, run_case, tol)
 
 
 @pytest.mark.parametrize("M,K,N", SHAPES)
@@ -46,16 +46,7 @@ def test_portable_kernel_forward(case, poisoned):
 def test_split_k(plan, poisoned):
     """Split-K: fp32 partials in a workspace (poisoned too) summed by the reduce kernel, with uneven splits
     (K = 272 is no multiple of the split's K range) and tiles that overhang N and M; deterministic."""
-    M, K, N = 17, 272, 40
-    q = make_q(N, K, per_row=True, seed=5)
-    g = torch.Generator().manual_seed(6)
-    x = torch.randn(M, K, generator=g).to(torch.bfloat16).to(DEV)
-    b = torch.randn(N, generator=g).to(torch.bfloat16).to(DEV)
-    y = fp4_gemm.tiled_linear(x, q.packed, q.scale.view(torch.uint8), q.global_scale, b, plan)
-    ref = x.double().cpu() @ ref_weight(q.packed, q.scale, q.global_scale).t() + b.double().cpu()
-    assert torch.isfinite(y).all()
-    assert rel_err(y, ref) <= 1e-2
-    assert torch.equal(fp4_gemm.tiled_linear(x, q.packed, q.scale.view(torch.uint8), q.global_scale, b, plan), y)
+    check_split_k(fp4_gemm.tiled_linear, plan, 17, 272, 40)
 
 
 @needs_triton

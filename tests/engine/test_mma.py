@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import plan as engine_plan
-from fp4_ref import DEV, forward_case, gpu_only, make_q, needs_triton, ref_weight, rel_err
+from fp4_ref import DEV, check_split_k, forward_case, gpu_only, make_q, needs_triton, ref_weight, rel_err
 
 
 @needs_triton
@@ -29,17 +29,8 @@ def test_split_k(kernel, plan, poisoned):
     """Split-K: fp32 partials in a workspace (poisoned too) summed by fp4_gemm's reduce kernel (the mma
     kernel: by the program that finishes a tile last), with uneven splits (K = 272 or 832 is no multiple
     of the split's K range) and tiles that overhang N and M."""
-    M, K, N = (2, 272, 40) if kernel == "gemv" else (9, 832, 40)
-    q = make_q(N, K, per_row=True, seed=5)
-    g = torch.Generator().manual_seed(6)
-    x = torch.randn(M, K, generator=g).to(torch.bfloat16).to(DEV)
-    b = torch.randn(N, generator=g).to(torch.bfloat16).to(DEV)
-    y = engine_plan.linear(x, q.packed, q.scale.view(torch.uint8), q.global_scale, b, plan)
-    ref = x.double().cpu() @ ref_weight(q.packed, q.scale, q.global_scale).t() + b.double().cpu()
-    assert torch.isfinite(y).all()
-    assert rel_err(y, ref) <= 1e-2
-    # deterministic, and the mma kernel's split-K counters are back at zero for the next call
-    assert torch.equal(engine_plan.linear(x, q.packed, q.scale.view(torch.uint8), q.global_scale, b, plan), y)
+    # (check_split_k's second call also checks that the mma kernel's tile counters are back at zero)
+    check_split_k(engine_plan.linear, plan, *((2, 272, 40) if kernel == "gemv" else (9, 832, 40)))
 
 
 @gpu_only
