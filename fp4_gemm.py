@@ -41,7 +41,8 @@ Paths. "auto": CUDA tensors go to the engine room, CPU tensors to the torch refe
 environment variable QERL_FP4_BACKEND force one; "triton" on CPU tensors runs the Triton kernels in
 Triton's interpreter, which the caller switches on (TRITON_INTERPRET=1 before triton is first imported:
 tests/conftest.py does). `kernel` pins "tiled" (this file's kernel) or an engine kernel: "mma", "gemv",
-"wgmma", "dequant".
+"wgmma", "dequant". Inside `fp8_tensor_cores()` every path gives way to FP8 tensor cores (engine/fp8.py):
+train.py's --fp8-update, an option that trades exactness for a faster update.
 
 Departures from the official QeRL code: it runs rollouts on vLLM's Marlin FP4 kernel and trains by
 dequantizing the whole weight on every forward in HF; here one set of kernels serves both, the backward
@@ -73,7 +74,7 @@ except ImportError:  # the torch path still works
 
 BACKENDS = ("auto", "torch", "triton")
 KERNELS = (None, "mma", "gemv", "wgmma", "tiled", "dequant")
-_choice = {"backend": os.environ.get("QERL_FP4_BACKEND", "auto"), "kernel": None}
+_choice = {"backend": os.environ.get("QERL_FP4_BACKEND", "auto"), "kernel": None, "fp8": False}
 if _choice["backend"] not in BACKENDS:  # a typo would otherwise act as "auto"
     raise ValueError(f"QERL_FP4_BACKEND={_choice['backend']!r}: use one of {BACKENDS}")
 
@@ -96,6 +97,39 @@ def backend(name, kernel=None):
         yield
     finally:
         _choice.update(old)
+
+
+@contextlib.contextmanager
+def fp8_tensor_cores(on=True):
+    """Within it (with on=True), fp4_linear and its dX multiply on FP8 tensor cores: the weight written in
+    E4M3 instead of x's dtype, x (and dY) quantized to E4M3 row by row (engine/fp8.py). Faster for the large
+    GEMMs of an update on Hopper, and less exact (results/fp8_update.md): train.py's --fp8-update, off by
+    default, runs the update so; the rollout never does."""
+    old = _choice["fp8"]
+    _choice["fp8"] = bool(on)
+    try:
+        yield
+    finally:
+        _choice["fp8"] = old
+
+
+def fp8_supported(device):
+    """Whether fp8_tensor_cores can run on `device`: a GPU with FP8 tensor cores (compute capability 8.9
+    and up), or the CPU where this torch's torch._scaled_mm takes one scale a row there (slow: for the tests
+    and the tiny run; torch 2.11's CPU form took one scale a tensor only)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cpu" and _cpu_rowwise_scaled_mm()
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_rowwise_scaled_mm():
+    a = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except (RuntimeError, TypeError, AttributeError):
+        return False
+    return True
 
 
 def _use_triton(x):
@@ -413,6 +447,13 @@ def _to_engine(x):
     return (x.is_cuda or _choice["kernel"] not in (None, "tiled")) and _engine() is not None
 
 
+@functools.lru_cache(maxsize=None)
+def _fp8():
+    """engine/fp8.py, for fp8_tensor_cores (imported on first use)."""
+    from engine import fp8
+    return fp8
+
+
 def _triton_linear(x2, packed, scale_u8, gs, bias):
     if _to_engine(x2):
         return _engine().linear(x2, packed, scale_u8, gs, bias)
@@ -448,7 +489,9 @@ def _fp4_linear_op(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, g
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    if _use_triton(x):
+    if _choice["fp8"]:  # (fp8_tensor_cores: the update with --fp8-update)
+        y = _fp8().linear(x2, packed, scale.view(torch.uint8), global_scale.float(), bias)
+    elif _use_triton(x):
         y = _triton_linear(x2, packed, scale.view(torch.uint8), global_scale.float(), bias)
     else:
         y = _torch_linear(x2, packed, scale, global_scale, bias)
@@ -468,7 +511,9 @@ def _fp4_linear_dx_op(grad: torch.Tensor, packed: torch.Tensor, scale: torch.Ten
     g2 = grad.reshape(-1, grad.shape[-1])
     if g2.stride(-1) != 1:
         g2 = g2.contiguous()
-    if _use_triton(grad):
+    if _choice["fp8"]:
+        dx = _fp8().dx(g2, packed, scale.view(torch.uint8), global_scale.float())
+    elif _use_triton(grad):
         dx = _triton_dx(g2, packed, scale.view(torch.uint8), global_scale.float())
     else:
         dx = _torch_dx(g2, packed, scale, global_scale)

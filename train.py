@@ -86,6 +86,9 @@ bundled tiny CPU demo (`python train.py`) differs, and why.
   held-out eval         500 items every 50 steps,       ours                                    256, every 10, T 1.0
                         T 0.6, top-p 0.95
   micro-batch           8 sequences at full length      ours (memory; the sums are the batch's)  128
+  update GEMMs          bf16 (the NVFP4 weight          script (vLLM samples, the trainer
+                        dequantized a layer at a time)  dequantizes); --fp8-update: ours,
+                                                        an option that changes the numbers
 
 The tiny demo takes the recipe's values except where the last column says otherwise: it keeps the lr,
 warm-up, floor, LoRA rank and soft overlong band it was tuned with (30 steps of a 0.9M-parameter model
@@ -136,6 +139,7 @@ from tqdm import tqdm
 import aqn
 import dapo
 import ddp
+import fp4_gemm
 import grpo
 import lora
 import rollout
@@ -185,6 +189,9 @@ def build_parser():
                    help="activation checkpointing in the update (auto: off on a GPU where a micro-batch fits without)")
     p.add_argument("--no-compile", action="store_true", help="run the update's blocks eagerly (default: torch.compile "
                    "on a GPU, which fuses their elementwise work)")
+    p.add_argument("--fp8-update", action="store_true", help="NVFP4 base: run the update's base GEMMs on FP8 tensor "
+                   "cores (the weight in E4M3, x and dY quantized row by row; engine/fp8.py). Faster on Hopper, less "
+                   "exact: the sampler-trainer mismatch grows (results/fp8_update.md). Off by default")
     # optimizer (official scripts: AdamW beta2 0.99, weight decay 0.1, lr 1e-5 NVFP4 / 5e-6 bf16, 10% warm-up,
     # cosine to 0, grad clip 0.2; the table in the docstring gives each value's source)
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (tiny: 2e-3; paper recipe: 1e-5 NVFP4, 5e-6 bf16)")
@@ -388,6 +395,8 @@ def check_args(args):
     for name in (args.data, args.eval_data):
         if name.endswith(".jsonl") and not os.path.exists(name):
             problems.append(f"no data file at {name}")
+    if args.fp8_update and args.quant != "nvfp4":
+        problems.append("--fp8-update runs an NVFP4 base's GEMMs in FP8; with --quant bf16 drop it")
     if args.log and not _have("tensorboard" if args.log == "tensorboard" else "wandb"):
         package = "tensorboard" if args.log == "tensorboard" else "wandb"
         problems.append(f"--log {args.log} needs the optional package {package}: pip install {package} (or drop --log)")
@@ -667,7 +676,8 @@ def update(args, model, optimizer, params, groups, rewards, encode, sigma, noise
     for p in range(args.update_passes):
         optimizer.zero_grad(set_to_none=True)
         sums = {}
-        with aqn.noise(model, sigma if args.aqn_update else 0.0, torch.Generator(gen_device).manual_seed(noise_seed)):
+        with aqn.noise(model, sigma if args.aqn_update else 0.0, torch.Generator(gen_device).manual_seed(noise_seed)), \
+                fp4_gemm.fp8_tensor_cores(args.fp8_update):
             for i, sl in enumerate(slices):
                 ref = None
                 if args.beta > 0:  # the reference policy is the base model: the same weights, adapters off. (First:
@@ -910,6 +920,11 @@ def main(argv=None):
         args.schedule_steps = args.steps
     check_args(args)
     device = resolve_device(args.device, "train.py")
+    if args.fp8_update and not fp4_gemm.fp8_supported(device):
+        sys.exit("train.py: --fp8-update needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, "
+                 f"Blackwell), and {torch.cuda.get_device_name(device)} has none: drop --fp8-update"
+                 if device.type == "cuda" else "train.py: --fp8-update on the CPU needs torch._scaled_mm with one scale "
+                 f"a row, which torch {torch.__version__} lacks there: run it on a GPU, or drop --fp8-update")
     # Under torchrun: this rank's place and device (ddp.py); a plain `python train.py` is World() and starts no
     # process group. Rank 0 names the run (its id, its folder) for all; only rank 0 writes or prints.
     world, device = ddp.init(device)

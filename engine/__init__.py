@@ -1,6 +1,6 @@
 """The engine room: what makes the idea files fast on a GPU, one topic a file, each tested against the
 idea-file function it speeds up (tests/engine/). fp4_gemm.py and rollout.py each reach it at one
-dispatch point, and only on a GPU (or for a kernel a test pins).
+dispatch point, and only on a GPU (or for a kernel a test pins, or inside fp4_gemm.fp8_tensor_cores).
 
 ptx.py         the E2M1/E4M3 decode as inline PTX, and a warp-wide emulator of it for CPU tests
 pdl.py         programmatic dependent launch: a kernel scheduled while the one before finishes
@@ -9,6 +9,7 @@ wgmma.py       Hopper's wgmma kernels (Gluon): warp-specialized, persistent, str
 korder.py      x in the wgmma kernels' K order, and the API for callers that store x that way
 plan.py        which kernel serves which shape (a fixed table), dequant + cuBLAS, the launches
 side.py        a small dense product (decode's LoRA A's) riding along in the GEMM's launch
+fp8.py         the update's GEMMs on FP8 tensor cores: an option that changes the numbers (--fp8-update)
 bench_gemm.py  python -m engine.bench_gemm --bench | --tune: the kernels against cuBLAS bf16
 
 decode.py          the decode engine behind rollout.generate on a GPU (one CUDA graph a step)

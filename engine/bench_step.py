@@ -28,6 +28,10 @@ reach (capture_s, included in rollout_s).
     python -m engine.bench_step --size 7b                   # bf16 and NVFP4, 8 prompts x 8, 256 + 1024 tokens
     python -m engine.bench_step --size 7b --early-stop 256  # the same, completions of ~256 tokens on average
     python -m engine.bench_step --size 32b --modes nvfp4 --mem-cap-gb 80
+    python -m engine.bench_step --size 7b --modes bf16,nvfp4,nvfp4+fp8   # and the update on FP8 tensor cores
+
+The last column is the step's sampler-trainer mismatch (grpo.py's mismatch_kl: the rollout's logprobs
+against the update's, no AQN here), which --fp8-update raises.
 """
 import argparse
 import gc
@@ -42,10 +46,14 @@ from engine.bench_rollout import mean_length, random_stop_ids
 from model import Transformer, qwen25_config
 
 
+MODES = ("bf16", "nvfp4", "nvfp4+fp8")  # the bases: 16-bit, NVFP4, NVFP4 with the update on FP8 tensor cores
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="RL step benchmark: bf16-LoRA vs NVFP4-LoRA on random Qwen2.5 shapes.")
     p.add_argument("--size", default="7b", help="Qwen2.5 shape: 0.5b, 1.5b, 3b, 7b, 14b, 32b")
-    p.add_argument("--modes", default="bf16,nvfp4", help="comma-separated base formats to compare")
+    p.add_argument("--modes", default="bf16,nvfp4", help="comma-separated bases to compare: bf16, nvfp4, nvfp4+fp8 "
+                   "(an NVFP4 base whose update runs on FP8 tensor cores: train.py --fp8-update)")
     p.add_argument("--prompts", type=int, default=8, help="prompts per step")
     p.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
     p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens")
@@ -62,7 +70,10 @@ def parse_args(argv=None):
     p.add_argument("--mem-cap-gb", type=float, default=None, help="cap this process's GPU memory (e.g. 80)")
     p.add_argument("--decode-batch1", action="store_true", help="also time batch-1 rollout tok/s")
     p.add_argument("--no-compile", action="store_true", help="update with eager blocks (as train.py --no-compile)")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if any(m not in MODES for m in a.modes.split(",")):
+        p.error(f"--modes {a.modes}: each one of {', '.join(MODES)}, separated by commas")
+    return a
 
 
 def stop_ids(a, vocab):
@@ -74,13 +85,13 @@ def stop_ids(a, vocab):
     return random_stop_ids(vocab, a.early_stop, torch.Generator().manual_seed(1))
 
 
-def update_args(a):
+def update_args(a, fp8=False):
     """train.update's knobs for one on-policy DAPO pass: train.py's own defaults (its DAPO recipe), with
     this benchmark's micro-batch, completion length and checkpointing, and truncated completions kept in
     the loss: forced-length ones are all truncated, and masking them would leave the update nothing to do."""
     return train.recipe(train.parse_args(["--algo", "dapo", "--micro-batch", str(a.micro_batch), "--max-new-tokens",
                                           str(a.new_tokens), "--checkpointing", a.checkpointing,
-                                          "--no-mask-truncated"]))
+                                          "--no-mask-truncated"] + (["--fp8-update"] if fp8 else [])))
 
 
 def sync(device):
@@ -95,7 +106,7 @@ def run_mode(a, mode, device, cfg):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     t0 = time.time()
-    model = Transformer.from_random(cfg, dtype=torch.bfloat16, device=device, quantize=mode == "nvfp4")
+    model = Transformer.from_random(cfg, dtype=torch.bfloat16, device=device, quantize=mode.startswith("nvfp4"))
     params = lora.apply_lora(model, rank=a.lora_rank, alpha=a.lora_rank)
     for p in params:  # nonzero B, as after some training, so the adapters do real work
         p.data.normal_(0, 1e-3)
@@ -105,7 +116,7 @@ def run_mode(a, mode, device, cfg):
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, cfg.vocab_size, (a.prompt_len,), generator=gen).tolist() for _ in range(a.prompts)]
     stops = stop_ids(a, cfg.vocab_size)
-    ua = update_args(a)
+    ua = update_args(a, fp8=mode == "nvfp4+fp8")
     rows = []
     for step in range(a.steps + 1):  # step 0 warms up (compilation, graph capture, autotuning)
         sync(device)
@@ -127,7 +138,7 @@ def run_mode(a, mode, device, cfg):
             upd_tokens = gen_tokens + a.prompts * a.group_size * a.prompt_len
             rows.append(dict(rollout_s=t1 - t0, update_s=t2 - t1, step_s=t2 - t0, rollout_tok_s=gen_tokens / (t1 - t0),
                              update_tok_s=upd_tokens / (t2 - t1), mean_len=gen_tokens / len(ro.finish),
-                             capture_s=ro.stats["capture_s"]))
+                             capture_s=ro.stats["capture_s"], mismatch_kl=metrics["mismatch_kl"]))
     res = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     res.update(mode=mode, build_s=build_s, peak_gb=peak, grad_norm=metrics["grad_norm"],
@@ -170,13 +181,15 @@ def main(argv=None):
               f"activation checkpointing {r['checkpointing']}", flush=True)
     cols = ["rollout_tok_s", "update_tok_s", "rollout_s", "update_s", "step_s", "peak_gb"] + \
            (["mean_len", "capture_s"] if a.early_stop else []) + (["batch1_tok_s"] if a.decode_batch1 else [])
-    print("\n| base | " + " | ".join(cols) + " |")
-    print("|---" * (len(cols) + 1) + "|")
+    print("\n| base | " + " | ".join(cols) + " | mismatch_kl |")
+    print("|---" * (len(cols) + 2) + "|")
     for mode, r in results.items():
-        print(f"| {mode} | " + " | ".join(f"{r[c]:.1f}" for c in cols) + " |")
-    if "bf16" in results and "nvfp4" in results:
-        b, n = results["bf16"], results["nvfp4"]
-        print(f"\nNVFP4 / bf16: step time {n['step_s'] / b['step_s']:.2f}x, rollout speed-up "
+        print(f"| {mode} | " + " | ".join(f"{r[c]:.1f}" for c in cols) + f" | {r['mismatch_kl']:.2e} |")
+    b = results.get("bf16")
+    for mode, n in results.items():
+        if b is None or mode == "bf16":
+            continue
+        print(f"\n{mode} / bf16: step time {n['step_s'] / b['step_s']:.2f}x, rollout speed-up "
               f"{n['rollout_tok_s'] / b['rollout_tok_s']:.2f}x, update speed-up {n['update_tok_s'] / b['update_tok_s']:.2f}x")
         if b.get("capture_s") or n.get("capture_s"):  # a one-time cost: later steps replay those graphs
             print(f"without the timed steps' graph captures: step time {n['step_s'] - n['capture_s']:.1f} / "

@@ -19,6 +19,7 @@ import triton.language as tl
 
 import fp4_gemm
 from engine import ptx
+from engine.fp8 import round_e4m3
 from engine import wgmma as wgmma_kernels
 from engine.mma import _gemv_kernel, _mma_kernel
 from engine.korder import _k_step_of, _x_rows, k_ordered
@@ -231,9 +232,10 @@ def plan_dx(M, N, K, dtype, device):
 
 @triton.jit
 def _dequant_kernel(wp_ptr, ws_ptr, gs_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    GS_PER_ROW: tl.constexpr):
+                    GS_PER_ROW: tl.constexpr, E4M3: tl.constexpr, TRANSPOSE: tl.constexpr):
     """W (N, K) in out's dtype, with nvfp4.dequantize's float32 arithmetic (so bit-identical to it):
-    e2m1 * (scale / g), one rounding to the output dtype."""
+    e2m1 * (scale / g), one rounding to the output dtype (E4M3: engine/fp8.py's, as torch's cast).
+    TRANSPOSE: stored as W^T (K, N) instead."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = offs_n % N
     k0 = tl.program_id(1) * BLOCK_K
@@ -250,19 +252,27 @@ def _dequant_kernel(wp_ptr, ws_ptr, gs_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr
     lo = (_e2m1_to_f32(c & 0xF) * 16384.0) * bs[:, :, None]  # (BN, BK/16, 8) even k, exact e2m1 * bs
     hi = (_e2m1_to_f32(c >> 4) * 16384.0) * bs[:, :, None]  # odd k
     w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
+    if E4M3:
+        w = round_e4m3(w)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
-    tl.store(out_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :], w.to(out_ptr.dtype.element_ty),
-             mask=mask)
+    if TRANSPOSE:
+        tl.store(out_ptr + offs_k[None, :].to(tl.int64) * N + offs_n[:, None], w.to(out_ptr.dtype.element_ty),
+                 mask=mask)
+    else:
+        tl.store(out_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :], w.to(out_ptr.dtype.element_ty),
+                 mask=mask)
 
 
-def dequantize_triton(packed, scale_u8, gs, dtype, cfg=None):
-    """One weight, (N, K) in `dtype`, bit-identical to dequantize(); what the dequant path multiplies."""
+def dequantize_triton(packed, scale_u8, gs, dtype, cfg=None, transpose=False):
+    """One weight, (N, K) in `dtype`, bit-identical to dequantize(); what the dequant path multiplies.
+    transpose: W^T (K, N), contiguous, written as such (64 x 64 tiles, so that each store is whole rows)."""
     n, k = packed.shape[0], packed.shape[1] * 2
-    out = torch.empty(n, k, dtype=dtype, device=packed.device)
-    bn, bk, warps = cfg or ((16, 256, 4) if packed.is_cuda else (32, 64, 4))
+    out = torch.empty((k, n) if transpose else (n, k), dtype=dtype, device=packed.device)
+    bn, bk, warps = cfg or ((64, 64, 4) if transpose else (16, 256, 4) if packed.is_cuda else (32, 64, 4))
     _interpreted(_dequant_kernel, packed.device)[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
-        packed, scale_u8, gs, out, n, k, BLOCK_N=bn, BLOCK_K=bk, GS_PER_ROW=gs.numel() > 1, num_warps=warps)
+        packed, scale_u8, gs, out, n, k, BLOCK_N=bn, BLOCK_K=bk, GS_PER_ROW=gs.numel() > 1,
+        E4M3=dtype == torch.float8_e4m3fn, TRANSPOSE=transpose, num_warps=warps)
     return out
 
 

@@ -77,6 +77,7 @@ BEFORE_LOAD = [
     ("train.py", ["--max-new-tokens", "8", "--overlong-buffer", "9"], "--overlong-buffer 9 must be within"),
     ("train.py", ["--data", "math500"], "--data math500 has no train split (only test); train on arith, gsm8k"),
     ("train.py", ["--data", "nowhere.jsonl"], "no data file at nowhere.jsonl"),
+    ("train.py", ["--quant", "bf16", "--fp8-update"], "--fp8-update runs an NVFP4 base's GEMMs in FP8; with --quant bf16"),
     pytest.param("train.py", ["--log", "wandb"], "--log wandb needs the optional package wandb: pip install wandb",
                  marks=no_wandb),
     pytest.param("train.py", ["--log", "tensorboard"], "needs the optional package tensorboard", marks=no_tb),

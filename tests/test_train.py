@@ -15,6 +15,7 @@ import warnings
 import pytest
 import torch
 
+import fp4_gemm
 import hub
 import lora
 import model as M
@@ -367,3 +368,40 @@ def test_help_of_the_paper_recipe_prints_its_values(capsys):
         assert fixed in text, fixed
     args = train.recipe(train.parse_args(["--model", "qwen2.5-7b", "--algo", "dapo", "--quant", "bf16"]))
     assert (args.lr, args.steps, args.warmup_steps, args.sigma_end) == (5e-6, 500, 50, 1e-4)
+
+
+@pytest.mark.skipif(not fp4_gemm.fp8_supported(torch.device("cpu")), reason="this torch's CPU _scaled_mm has no row-wise scales")
+def test_fp8_update_runs_the_base_gemms_in_fp8_and_nothing_else(hf_folder, monkeypatch):
+    """--fp8-update: inside train.update every base GEMM and its dX take engine/fp8.py's path, the LoRA
+    gradients stay close to the bf16 path's (FP8's error, not a different loss), and the switch is off
+    again afterwards (the rollout never sees it)."""
+    from engine import fp8
+
+    _, folder = hf_folder("qwen2", num_hidden_layers=2)
+    m = M.Transformer.from_pretrained(folder, dtype=torch.bfloat16, quantize=True)
+    params = lora.apply_lora(m, rank=4, alpha=8)
+    for p in params:
+        p.data.normal_(0, 0.1, generator=torch.Generator().manual_seed(p.numel()))
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 101, (7,), generator=gen).tolist()]
+    ro = type("Rollout", (), dict(tokens=torch.randint(0, 101, (4, 6), generator=gen), lengths=torch.tensor([6, 3, 5, 2]),
+                                  logprobs=-torch.rand(4, 6, generator=gen), finish=["stop"] * 4))
+    groups = [dict(item=0, rollout=ro, rows=[0, 1, 2, 3])]
+    rewards = torch.tensor([[1.0, 0, 0, 1]])
+    optimizer = torch.optim.SGD(params, lr=0.0)
+    calls = []
+    for name in ("linear", "dx"):
+        monkeypatch.setattr(fp8, name, (lambda f, n: lambda *a: calls.append(n) or f(*a))(getattr(fp8, name), name))
+    grads, metrics = [], []
+    for flag in ([], ["--fp8-update"]):
+        args = train.recipe(train.parse_args(["--algo", "dapo", "--max-new-tokens", "6", "--no-compile",
+                                              "--checkpointing", "off"] + flag))  # (on: forward twice)
+        metrics.append(train.update(args, m, optimizer, params, groups, rewards, lambda i: prompts[i], 0.0, 0, "cpu"))
+        grads.append(torch.cat([p.grad.flatten() for p in params]))
+        assert not fp4_gemm._choice["fp8"]
+    layers = 7 * 2  # q, k, v, o, gate, up, down in each of 2 blocks
+    # all of them, and only with the flag; no dX for the first block's q, k, v, whose input needs no gradient
+    assert calls.count("linear") == layers and calls.count("dx") == layers - 3
+    cos = torch.nn.functional.cosine_similarity(grads[0].float(), grads[1].float(), dim=0)
+    assert 0.9 < cos < 1 - 1e-6  # FP8's rounding: close, not equal
+    assert metrics[1]["mismatch_kl"] > metrics[0]["mismatch_kl"]
