@@ -107,7 +107,8 @@ class Rollout:
     prompt_index (N,) int64   which prompt each row continues
     stats     timings and what ran (prefill_s, decode_s, steps, kernels, graphs, capture_s, rows,
               prefill_rows, prompt_len, cache_columns, prefill: eager | captured | replayed, shrinks:
-              [(step, rows)] where the engine moved the live rows to fewer)
+              [(step, rows)] where the engine moved the live rows to fewer, segments: [(rows, steps,
+              seconds)] of the decode in each of those batches, graph captures left out)
     """
     tokens: torch.Tensor
     logprobs: torch.Tensor
@@ -325,7 +326,8 @@ def sample(model, prompts, n, max_new_tokens, sp, seed, stream=None):
     t2 = time.perf_counter()
     T = int(lengths.max())
     stats = dict(kernels="torch", graphs=False, capture_s=0.0, rows=N, prefill_rows=P, prompt_len=Lp,
-                 cache_columns=S, prefill="eager", prefill_s=t1 - t0, decode_s=t2 - t1, steps=steps, shrinks=[])
+                 cache_columns=S, prefill="eager", prefill_s=t1 - t0, decode_s=t2 - t1, steps=steps, shrinks=[],
+                 segments=[(N, steps - 1, t2 - t1)])
     return Rollout(tokens=out_tok[:, :T].clone(), logprobs=out_lp[:, :T].clone(), lengths=lengths,
                    finish=["stop" if s else "length" for s in stopped.tolist()],
                    prompt_index=torch.arange(P, device=dev).repeat_interleave(n), stats=stats)

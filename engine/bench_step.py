@@ -29,11 +29,13 @@ reach (capture_s, included in rollout_s).
     python -m engine.bench_step --size 7b --early-stop 256  # the same, completions of ~256 tokens on average
     python -m engine.bench_step --size 32b --modes nvfp4 --mem-cap-gb 80
     python -m engine.bench_step --size 7b --modes bf16,nvfp4,nvfp4+fp8   # and the update on FP8 tensor cores
+    python -m engine.bench_step --size 7b --early-stop 256 --profile       # and where each step's time goes
 
 The last column is the step's sampler-trainer mismatch (grpo.py's mismatch_kl: the rollout's logprobs
 against the update's, no AQN here), which --fp8-update raises.
 """
 import argparse
+import functools
 import gc
 import time
 
@@ -70,6 +72,8 @@ def parse_args(argv=None):
     p.add_argument("--mem-cap-gb", type=float, default=None, help="cap this process's GPU memory (e.g. 80)")
     p.add_argument("--decode-batch1", action="store_true", help="also time batch-1 rollout tok/s")
     p.add_argument("--no-compile", action="store_true", help="update with eager blocks (as train.py --no-compile)")
+    p.add_argument("--profile", action="store_true", help="also say where a step's time goes: the rollout's decode at "
+                   "each batch size (its last timed step) and one more update under torch.profiler, by kind of kernel")
     a = p.parse_args(argv)
     if any(m not in MODES for m in a.modes.split(",")):
         p.error(f"--modes {a.modes}: each one of {', '.join(MODES)}, separated by commas")
@@ -92,6 +96,61 @@ def update_args(a, fp8=False):
     return train.recipe(train.parse_args(["--algo", "dapo", "--micro-batch", str(a.micro_batch), "--max-new-tokens",
                                           str(a.new_tokens), "--checkpointing", a.checkpointing,
                                           "--no-mask-truncated"] + (["--fp8-update"] if fp8 else [])))
+
+
+# Kinds of update kernels, by name: the first pattern a kernel's name contains (lower case) decides
+KINDS = (("attention", ("flash", "fmha", "attention", "cudnn", "sdpa")),
+         ("GEMM (cuBLAS, FP8 or bf16)", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "sm90_", "sm80_", "scaled_mm",
+                                         "addmm", "aten::mm", "aten::bmm", "splitkreduce")),
+         ("NVFP4 weight to bf16 / E4M3", ("_dequant_kernel",)),
+         ("FP8 rows", ("_rows_e4m3",)),
+         ("optimizer", ("adam", "multi_tensor", "foreach", "_fused")),
+         ("copies, casts, fills", ("copy", "memcpy", "memset", "cat", "fill", "to_copy", "index", "gather",
+                                   "scatter")),
+         ("fused elementwise (torch.compile)", ("triton_", "fused")),
+         ("log-softmax, norms, other elementwise", ("softmax", "norm", "elementwise", "reduce", "vectorized", "silu",
+                                                    "mul", "add", "exp", "log")))
+
+
+def profile_update(run, device):
+    """Run one update (`run`) under torch.profiler: (wall s, {kind: kernel s}) with the device's kernels
+    (CUDA) or the CPU's operators (the CPU, for the tests) grouped by KINDS."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    sync(device)
+    t0 = time.time()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        run()
+        sync(device)
+    wall = time.time() - t0
+    kinds = {}
+    for e in prof.key_averages():
+        us = (getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)) if cuda \
+            else e.self_cpu_time_total
+        if us <= 0 or (cuda and e.key.startswith(("aten::", "cuda"))):  # (the CPU side of a launch)
+            continue
+        name = e.key.lower()
+        kind = next((k for k, pats in KINDS if any(q in name for q in pats)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + us / 1e6
+    return wall, kinds
+
+
+def profile_text(mode, stats, update):
+    """Where a step's time went: the rollout's prefill, its decode at each batch size (engine/decode.py's
+    segments: rows, steps, seconds) and graph captures; the update's kernels by kind, and the rest of its
+    wall time (the device waiting on the host, or host work)."""
+    lines = [f"  {mode}: rollout: prefill {stats['prefill_s'] * 1e3:.0f} ms, captures {stats['capture_s']:.2f} s, decode "
+             f"{stats['decode_s']:.2f} s in {stats['steps'] - 1} steps:"]
+    for rows, steps, sec in stats.get("segments", []):
+        lines.append(f"      {rows:4d} rows: {steps:5d} steps, {sec:6.2f} s, {sec / max(steps, 1) * 1e3:6.2f} ms a step")
+    wall, kinds = update
+    busy = sum(kinds.values())
+    lines.append(f"    update (one more, profiled): {wall:.2f} s wall, {busy:.2f} s in kernels, {max(0.0, wall - busy):.2f} s "
+                 f"not (launch gaps, host work):")
+    for kind, sec in sorted(kinds.items(), key=lambda kv: -kv[1]):
+        lines.append(f"      {kind:<40} {sec:6.3f} s  {sec / max(busy, 1e-9):5.1%}")
+    return "\n".join(lines)
 
 
 def sync(device):
@@ -140,6 +199,10 @@ def run_mode(a, mode, device, cfg):
                              update_tok_s=upd_tokens / (t2 - t1), mean_len=gen_tokens / len(ro.finish),
                              capture_s=ro.stats["capture_s"], mismatch_kl=metrics["mismatch_kl"]))
     res = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
+    if a.profile:
+        again = functools.partial(train.update, ua, model, optimizer, params, groups, correct, prompts.__getitem__, 0.0,
+                                  0, device)  # the last step's batch once more
+        res["profile"] = profile_text(mode, ro.stats, profile_update(again, device))
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     res.update(mode=mode, build_s=build_s, peak_gb=peak, grad_norm=metrics["grad_norm"],
                checkpointing="on" if metrics["checkpointing"] else "off")
@@ -181,6 +244,10 @@ def main(argv=None):
               f"activation checkpointing {r['checkpointing']}", flush=True)
     cols = ["rollout_tok_s", "update_tok_s", "rollout_s", "update_s", "step_s", "peak_gb"] + \
            (["mean_len", "capture_s"] if a.early_stop else []) + (["batch1_tok_s"] if a.decode_batch1 else [])
+    if a.profile:
+        print("\nWhere the time goes (the last timed step's rollout; one more update, profiled):")
+        for r in results.values():
+            print(r["profile"])
     print("\n| base | " + " | ".join(cols) + " | mismatch_kl |")
     print("|---" * (len(cols) + 2) + "|")
     for mode, r in results.items():

@@ -764,6 +764,7 @@ class Decoder:
         if stream is not None:
             stream(0, st.out_tok[:, 0].cpu())
         root, order, shrinks = st, torch.arange(N), []  # order: the call's row that each of root's rows holds
+        segments, seg_steps, seg_t = [], 1, t1  # [(rows, steps, seconds)] at each batch size, captures left out
         for t in range(1, max_new_tokens):
             if graph is not None:
                 graph.replay()
@@ -779,19 +780,23 @@ class Decoder:
                 if bool(done.all()):
                     break
                 if compact and stream is None and max_new_tokens - 1 - t >= check_every:
+                    now = time.perf_counter()  # (the device has caught up: done was read)
                     smaller, capture_s = self.shrink(root, st, order, done, Lp + t, sp, key)
                     if smaller is not st:
+                        segments.append((st.N, steps - seg_steps, now - seg_t))
+                        seg_steps, seg_t = steps, now + capture_s
                         st = smaller
                         graph = st.graphs.get((*key[:-1], st.n)) if self.graphs else None
                         shrinks.append((t, st.N))
                         stats["capture_s"] += capture_s
         sync()
         t2 = time.perf_counter()
+        segments.append((st.N, steps - seg_steps, t2 - seg_t))
         back = torch.argsort(order).to(dev) if shrinks else slice(None)  # the call's row r is root's row back[r]
         lengths = root.lengths[back].clone()
         T = max(1, int(lengths.max()))
         stopped = root.stopped[back].tolist()
-        stats.update(prefill_s=t1 - t0, decode_s=t2 - t1, steps=steps, shrinks=shrinks)
+        stats.update(prefill_s=t1 - t0, decode_s=t2 - t1, steps=steps, shrinks=shrinks, segments=segments)
         return rollout.Rollout(tokens=root.out_tok[back, :T].clone(), logprobs=root.out_lp[back, :T].clone(), lengths=lengths,
                        finish=["stop" if s else "length" for s in stopped],
                        prompt_index=torch.arange(P, device=dev).repeat_interleave(n), stats=stats)

@@ -29,6 +29,19 @@ def test_rl_step_runs_and_moves_lora_on_every_base():
         bench_step.parse_args(["--modes", "nvfp4,fp8"])
 
 
+def test_profile_says_where_the_step_went():
+    """--profile: the rollout's decode in segments whose steps add up to the rollout's, and one more update
+    profiled, its operators grouped by kind (the CPU's, here), the GEMMs among them."""
+    a = bench_step.parse_args("--prompts 4 --group-size 4 --prompt-len 5 --new-tokens 40 --steps 1 --lora-rank 4 "
+                              "--micro-batch 4 --early-stop 8 --profile".split())
+    r = bench_step.run_mode(a, "nvfp4", torch.device("cpu"), tiny_shape())
+    text = r["profile"]
+    assert "rows:" in text and "GEMM" in text and "update (one more, profiled)" in text
+    stats = dict(prefill_s=0.01, capture_s=0.5, decode_s=1.0, steps=31, segments=[(16, 20, 0.6), (4, 10, 0.4)])
+    text = bench_step.profile_text("x", stats, (2.0, {"GEMM (cuBLAS, FP8 or bf16)": 1.2, "attention": 0.3}))
+    assert "  16 rows:    20 steps,   0.60 s,  30.00 ms a step" in text and "0.50 s not" in text and "80.0%" in text
+
+
 def test_rl_step_with_completions_that_stop_early():
     """--early-stop: the completions stop at different lengths (a stop list of vocab/MEAN random ids), and
     the update trains on what they sampled."""

@@ -162,9 +162,14 @@ def test_finished_rows_leave_the_batch(hf_folder, kernels, n, shrinks):
     runs = [decode.generate(model, prompts, kernels=kernels, **kw) for _ in range(2 if kernels == "torch" else 1)]
     hook.remove()
     assert ref.stats["shrinks"] == [] and len(set(ref.lengths.tolist())) > 4
+    assert ref.stats["segments"][0][:2] == (len(prompts) * n, ref.stats["steps"] - 1)
     for got in runs:
         assert [n for _, n in got.stats["shrinks"]] == shrinks
         assert_same_rollout(got, ref, atol=1e-5)
+        # the decode's time in segments, one a batch size: their rows, and their steps adding up to the call's
+        segments = got.stats["segments"]
+        assert [r for r, _, _ in segments] == [len(prompts) * n] + shrinks
+        assert sum(k for _, k, _ in segments) == got.stats["steps"] - 1 and all(sec >= 0 for _, _, sec in segments)
     steps = seen[1: runs[0].stats["steps"]]  # the first call's decode steps: seen[0] is its prefill
     moves = runs[0].stats["shrinks"]  # [(step, rows)]
     for (t, n_rows), (t_next, _) in zip(moves, moves[1:] + [(len(steps), None)]):
