@@ -104,10 +104,10 @@ KINDS = (("attention", ("flash", "fmha", "attention", "cudnn", "sdpa")),
                                          "addmm", "aten::mm", "aten::bmm", "splitkreduce")),
          ("NVFP4 weight to bf16 / E4M3", ("_dequant_kernel",)),
          ("FP8 rows", ("_rows_e4m3",)),
-         ("optimizer", ("adam", "multi_tensor", "foreach", "_fused")),
+         ("fused elementwise (torch.compile)", ("triton_",)),  # (inductor's kernels: triton_poi_fused_..)
+         ("optimizer, grad-norm clip", ("adam", "multi_tensor", "foreach")),
          ("copies, casts, fills", ("copy", "memcpy", "memset", "cat", "fill", "to_copy", "index", "gather",
                                    "scatter")),
-         ("fused elementwise (torch.compile)", ("triton_", "fused")),
          ("log-softmax, norms, other elementwise", ("softmax", "norm", "elementwise", "reduce", "vectorized", "silu",
                                                     "mul", "add", "exp", "log")))
 
