@@ -105,7 +105,11 @@ def init(device):
 
 
 def shutdown(world):
+    """End the process group, every rank at once: a rank that tore down its gloo connections and exited
+    while another still used them was seen to abort at exit ("terminate called without an active
+    exception", SIGABRT) in one CI run of tests/test_ddp.py; the barrier keeps the ranks together."""
     if world.size > 1 and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -52,7 +52,7 @@ def round_e4m3(x):
 @triton.jit
 def _rows_e4m3_kernel(x_ptr, col_ptr, out_ptr, s_ptr, K, stride_x, BLOCK: tl.constexpr, HAS_COL: tl.constexpr):
     """Row m of x (times col, one factor a column, where given) in E4M3: amax over the row, then
-    out = E4M3(v · (448 / amax)) and s = amax / 448. Two passes over the row (the second mostly from L2)."""
+    out = E4M3(v · (448 / amax)) and s = amax / 448, in two passes over the row."""
     m = tl.program_id(0).to(tl.int64)
     row = x_ptr + m * stride_x
     amax = tl.zeros((BLOCK,), tl.float32)
