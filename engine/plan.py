@@ -257,11 +257,10 @@ def _dequant_kernel(wp_ptr, ws_ptr, gs_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr
     offs_k = k0 + tl.arange(0, BLOCK_K)
     mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
     if TRANSPOSE:
-        tl.store(out_ptr + offs_k[None, :].to(tl.int64) * N + offs_n[:, None], w.to(out_ptr.dtype.element_ty),
-                 mask=mask)
+        at = out_ptr + offs_k[None, :].to(tl.int64) * N + offs_n[:, None]
     else:
-        tl.store(out_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :], w.to(out_ptr.dtype.element_ty),
-                 mask=mask)
+        at = out_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
+    tl.store(at, w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def dequantize_triton(packed, scale_u8, gs, dtype, cfg=None, transpose=False):
