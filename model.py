@@ -260,11 +260,15 @@ class Transformer(nn.Module):
         if compiled:  # each micro-batch brings its own token and sequence counts: compile shape-generic at once;
             # else torch compiles for static shapes first, then again as each count first changes (H200, 1.5B
             # shape: two more compiles, 24 s; results/bench_h200.md)
-            dims = [(x, 0), (x, 1), (cos, 0), (cos, 2), (sin, 0), (sin, 2)]
+            dims = [(cos, 0), (cos, 2), (sin, 0), (sin, 2)]
             for t, d in dims + ([(shared[0], 0), (shared[0], 1), (shared[1], 0)] if shared else []):
                 torch._dynamo.maybe_mark_dynamic(t, d)
         for layer in self.layers:
             run = functools.partial(compiled, layer) if compiled else layer
+            if compiled:  # every block's input, not the first only: each is a new tensor, whose unmarked
+                # sizes would compile the later blocks' graph once more when the counts first change
+                torch._dynamo.maybe_mark_dynamic(x, 0)
+                torch._dynamo.maybe_mark_dynamic(x, 1)
             if self.gradient_checkpointing and training:
                 x = checkpoint(run, x, cos, sin, cache, shared, use_reentrant=False)
             else:

@@ -23,7 +23,9 @@ with torch.cuda.set_per_process_memory_fraction to reproduce an 80 GB card on a 
 tail up to --new-tokens): then the rollout's batch shrinks as its rows finish (engine/decode.py) and the
 update sees fewer tokens. The two bases then decode different tokens and so different lengths (the
 mean_len column); a timed step may also capture the graph of a batch size the warm-up step did not
-reach (capture_s, included in rollout_s).
+reach (capture_s, included in rollout_s). Any step may meet a micro-batch shape that makes torch.compile
+compile the update's blocks once more (a one-time cost of seconds, inside update_s): each mode's line says
+how many graphs its timed steps compiled.
 
     python -m engine.bench_step --size 7b                   # bf16 and NVFP4, 8 prompts x 8, 256 + 1024 tokens
     python -m engine.bench_step --size 7b --early-stop 256  # the same, completions of ~256 tokens on average
@@ -153,6 +155,11 @@ def profile_text(mode, stats, update):
     return "\n".join(lines)
 
 
+def compiled_graphs():
+    """How many graphs torch.compile has compiled in this process so far (the update's blocks)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -178,6 +185,8 @@ def run_mode(a, mode, device, cfg):
     ua = update_args(a, fp8=mode == "nvfp4+fp8")
     rows = []
     for step in range(a.steps + 1):  # step 0 warms up (compilation, graph capture, autotuning)
+        if step == 1:
+            graphs = compiled_graphs()
         sync(device)
         t0 = time.time()
         model.eval()
@@ -199,6 +208,7 @@ def run_mode(a, mode, device, cfg):
                              update_tok_s=upd_tokens / (t2 - t1), mean_len=gen_tokens / len(ro.finish),
                              capture_s=ro.stats["capture_s"], mismatch_kl=metrics["mismatch_kl"]))
     res = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
+    res["compiles"] = compiled_graphs() - graphs  # in the timed steps: each a one-time cost inside its update_s
     if a.profile:
         again = functools.partial(train.update, ua, model, optimizer, params, groups, correct, prompts.__getitem__, 0.0,
                                   0, device)  # the last step's batch once more
@@ -241,7 +251,8 @@ def main(argv=None):
         results[mode] = run_mode(a, mode, device, qwen25_config(a.size))
         r = results[mode]
         print(f"  {mode}: built in {r['build_s']:.0f} s, step {r['step_s']:.1f} s, peak {r['peak_gb']:.1f} GiB, "
-              f"activation checkpointing {r['checkpointing']}", flush=True)
+              f"activation checkpointing {r['checkpointing']}, {r['compiles']} graphs compiled in the timed steps",
+              flush=True)
     cols = ["rollout_tok_s", "update_tok_s", "rollout_s", "update_s", "step_s", "peak_gb"] + \
            (["mean_len", "capture_s"] if a.early_stop else []) + (["batch1_tok_s"] if a.decode_batch1 else [])
     if a.profile:

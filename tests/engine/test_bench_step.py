@@ -52,3 +52,24 @@ def test_rl_step_with_completions_that_stop_early():
         bench_step.parse_args(["--early-stop", "0.5"])
     r = bench_step.run_mode(a, "nvfp4", torch.device("cpu"), tiny_shape())
     assert 1 < r["mean_len"] < 40 and r["grad_norm"] > 0 and r["capture_s"] == 0  # (no graphs on the CPU)
+
+
+@pytest.mark.parametrize("marks", [True, False])
+def test_timed_steps_compile_nothing_new(monkeypatch, marks):
+    """The update's blocks compiled (dynamo on its eager backend here; inductor on a GPU) meet micro-batches
+    of new shapes in every step where completions stop early. Every block's input being marked dynamic
+    (model.Transformer.hidden), the timed steps compile nothing after the warm-up step; without the marks
+    (`marks` False) the first timed step compiles again, and run_mode's count says so. One micro-batch a
+    step, so that the warm-up step sees a single shape."""
+    import train
+    monkeypatch.setattr(train, "compile_backend", lambda device, no_compile: "eager")
+    if not marks:
+        monkeypatch.setattr(torch._dynamo, "maybe_mark_dynamic", lambda t, d: None)
+    a = bench_step.parse_args("--prompts 4 --group-size 4 --prompt-len 5 --new-tokens 40 --steps 2 --lora-rank 4 "
+                              "--micro-batch 16 --early-stop 8".split())
+    torch._dynamo.reset()
+    try:
+        r = bench_step.run_mode(a, "bf16", torch.device("cpu"), tiny_shape())
+    finally:
+        torch._dynamo.reset()  # leave no compiled Block.forward to the tests that count graphs
+    assert (r["compiles"] == 0) == marks and r["grad_norm"] > 0
