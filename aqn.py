@@ -25,7 +25,7 @@ per norm per step, and the quantized kernels never know. The final norm (before 
 high precision) is left alone by default and can be included with final_norm=True.
 
 Precision. model.py keeps RMSNorm weights in float32 for this: bf16's spacing near 1.0 is 2^-7 ≈
-0.0078, so a sigma of 5e-4 … 1e-2 added to a bf16 weight of ~1 would mostly round back to the same
+0.0078, so a sigma of 1e-4 … 1e-2 added to a bf16 weight of ~1 would mostly round back to the same
 number. noise() refuses half-precision norm weights for that reason.
 
 Schedule (AQNSchedule), as QeRL: the run's total_steps are cut into K stages (default 10) of equal
@@ -75,6 +75,7 @@ vLLM's alike, and noise() raises when it finds none, when the count is not 2 per
 when a noisy call leaves a norm unchanged. tests/test_aqn.py checks the count and that logits move.
 """
 import argparse
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -168,8 +169,8 @@ def noise(model, sigma, generator=None, final_norm=False):
     final_norm=True) in place for the duration of the block; restore the exact saved weights on exit,
     also when the block raises. sigma = 0 changes nothing (but still checks the norms are there, so
     a model AQN cannot reach fails at step 0, not at the first noisy stage). Yields a NoiseInfo."""
-    if sigma < 0:
-        raise ValueError(f"AQN sigma must be >= 0, got {sigma}")
+    if not (math.isfinite(sigma) and sigma >= 0):  # (NaN would add no noise, silently; inf wipes the norms)
+        raise ValueError(f"AQN sigma must be a finite number >= 0, got {sigma}")
     weights = find_norms(model, final_norm)
     saved = {}
     try:

@@ -115,8 +115,8 @@ def fp8_tensor_cores(on=True):
 
 def fp8_supported(device):
     """Whether fp8_tensor_cores can run on `device`: a GPU with FP8 tensor cores (compute capability 8.9
-    and up), or the CPU where this torch's torch._scaled_mm takes one scale a row there (slow: for the tests
-    and the tiny run; torch 2.11's CPU form took one scale a tensor only)."""
+    and up), or the CPU where this torch's torch._scaled_mm takes one scale a row (slow: for the tests and
+    the tiny run; older CPU builds take one scale a tensor only, so this asks the build in hand)."""
     if device.type == "cuda":
         return torch.cuda.get_device_capability(device) >= (8, 9)
     return device.type == "cpu" and _cpu_rowwise_scaled_mm()

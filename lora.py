@@ -15,13 +15,13 @@ down) of an NVFP4 base, rank 16–32. The base here is any module computing x ->
 nn.Linear, or fp4_gemm.QuantLinear, whose backward gives dX = dY · dequant(W) and no weight gradient,
 so gradients flow through the 4-bit base into A and B without a bf16 copy of W ever being kept.
 
-Precision. The adapters live in float32 by default (a flag gives bf16): RL updates with lr ~1e-5 are
+Precision. The adapters live in float32 by default (apply_lora's dtype= gives bf16): RL updates with lr ~1e-5 are
 smaller than bf16's resolution on a weight of size ~1e-2. The LoRA branch is computed in x's dtype,
 as torch.autocast would: the float32 adapters are the master copy, cast per call (r x K, tiny), and
 their gradients come back in float32. (PEFT without autocast casts x up to the adapters' float32
-instead; on the GPU that made the branch float32 GEMMs without tensor cores plus copies of every
-activation, ~25% of a Qwen2.5-7B update pass on the H200. The rollout computes the branch in bf16
-too, so sampler and trainer now agree on it.)
+instead; on the GPU that makes the branch float32 GEMMs without tensor cores plus copies of every
+activation: results/bench_h200.md. The rollout computes the branch in bf16 too, so sampler and
+trainer agree on it.)
 
 Reference policy for free. GRPO's KL term needs the base model's log-probabilities. With LoRA the base
 model IS the policy with its adapters switched off, so `with disable_adapters(model):` gives it
@@ -36,8 +36,8 @@ Supported: plain LoRA (no DoRA, rsLoRA, per-module rank/alpha patterns or bias t
 RMSNorm weights as `modules_to_save`; anything else is refused with a message rather than loaded wrongly.
 
 Trained norms. The official QeRL scripts (`--ln True`) also train the two RMSNorm weights of every
-block, through PEFT's `modules_to_save` on input_layernorm and post_attention_layernorm: H numbers a
-norm, 2 x 28 x 3584 = 0.2M for Qwen2.5-7B, next to its 40M LoRA parameters. `train_norms(model)`
+block, through PEFT's `modules_to_save` on input_layernorm and post_attention_layernorm: H numbers per
+norm, 2 x 28 x 3584 = 0.2M for Qwen2.5-7B, next to its 40M LoRA parameters at rank 16 (81M at 32). `train_norms(model)`
 makes them trainable in place (they are float32 already: model.py keeps them so, and that is the
 master copy); the optimizer then updates the very tensors the rollout reads, which matters because
 the CUDA-graph decoder replays reads of fixed addresses (an update must be in place, never a new
@@ -107,7 +107,7 @@ class LoRALinear(nn.Module):
             b = (self.lora_B.weight * self.scaling).to(y.dtype)  # (N, r): scaled here, not the (T, N) output
             # y += a b^T as one GEMM whose epilogue adds y (no separate passes over the output to scale and
             # add), in place: y is the base's fresh output, which its backward does not keep (out of place,
-            # addmm first copied y: 26 ms of device-to-device copies in a 7B update micro-batch of ~975 ms)
+            # addmm would first copy all of y)
             y.addmm_(a.to(y.dtype), b.t())
         return y.view(*x.shape[:-1], self.out_features)
 
@@ -127,6 +127,8 @@ def lora_modules(model):
 def _apply(model, filter, rank, alpha, dropout, dtype):
     if lora_modules(model):
         raise ValueError("the model already has LoRA adapters; apply_lora twice would stack them")
+    if trained_norms(model):  # (the freeze below would silently stop the norms training)
+        raise ValueError("apply_lora after train_norms would freeze the trained norms; call train_norms after apply_lora")
     for p in model.parameters():  # everything frozen: base weights, embeddings, norms, lm_head
         p.requires_grad_(False)
     new = model.swap_linears(lambda name, m: LoRALinear(m, rank, alpha, dropout, dtype), filter)
@@ -512,6 +514,8 @@ def load_policy(name, adapter=None, quant="nvfp4", device="cpu"):
     applied when given: what eval.py evaluates and train.py trains."""
     import model as model_lib
 
+    if quant not in ("nvfp4", "bf16"):
+        raise ValueError(f"quant must be 'nvfp4' or 'bf16', got {quant!r}")
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     m = model_lib.Transformer.from_pretrained(name, dtype=dtype, device=device, quantize=quant == "nvfp4")
     if adapter:

@@ -79,7 +79,6 @@ class Config:
         self.tie_word_embeddings = d.get("tie_word_embeddings", False)
         self.attention_bias = d.get("attention_bias", model_type == "qwen2")
         self.mlp_bias = d.get("mlp_bias", False)
-        self.max_position_embeddings = d.get("max_position_embeddings", 32768)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}")
         self.raw = d
@@ -96,6 +95,8 @@ def qwen25_config(size):
         "0.5b": (896, 4864, 24, 14, 2, 151936, True), "1.5b": (1536, 8960, 28, 12, 2, 151936, True),
         "3b": (2048, 11008, 36, 16, 2, 151936, True), "7b": (3584, 18944, 28, 28, 4, 152064, False),
         "14b": (5120, 13824, 48, 40, 8, 152064, False), "32b": (5120, 27648, 64, 40, 8, 152064, False)}
+    if size.lower() not in shapes:
+        raise ValueError(f"unknown Qwen2.5 size {size!r}; use one of {', '.join(shapes)}")
     h, i, n, a, kv, v, tied = shapes[size.lower()]
     return Config({"model_type": "qwen2", "hidden_size": h, "intermediate_size": i, "num_hidden_layers": n,
                    "num_attention_heads": a, "num_key_value_heads": kv, "vocab_size": v,
@@ -111,8 +112,7 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         # In float32 with the float32 weight, one rounding at the end. torch's rms_norm: the same numbers
         # (bit-identical on CPU: tests/test_model.py), and recent torch runs it as one fused CUDA kernel
-        # forward and backward where the spelled-out form made about eight passes: one 7B update micro-batch
-        # on the H200 went 1063 -> 975 ms (results/bench_h200.md).
+        # forward and backward where the spelled-out form made about eight passes (results/bench_h200.md).
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps).to(x.dtype)
 
 
@@ -165,10 +165,9 @@ def shared_prompt_attention(q, k, v, index, packed):
     where token j of sequence b lies among them, packed (P,) where each of them lies among the B·L.
     Attention alone sees the whole sequences (gathered by index: a shared prompt's queries, keys and
     values repeated in each, padding as copies that no real query sees), with a square causal mask,
-    which the fastest kernels take: a 7B update spent 210 ms in attention this way and 359 with the
-    completions' queries alone against the prompt's and their own keys, a lower-right mask that those
-    kernels do not take (results/bench_h200.md). Each token's output is its own sequence's (a prompt's:
-    its first sequence's). → (1, Hq, P, D)."""
+    which the fastest kernels take. (Attending with the completions' queries alone would need a
+    lower-right mask, which those kernels do not take, and was slower: results/bench_h200.md.) Each
+    token's output is its own sequence's (a prompt's: its first sequence's). → (1, Hq, P, D)."""
     def whole(t):  # (1, H, P, D) → (B, H, L, D)
         return t[0][:, index].transpose(0, 1)
 
@@ -206,9 +205,7 @@ def _compiled_block(backend):
     """Block.forward through torch.compile, for training. The layers share the compiled code (the block
     is an argument, its weights are graph inputs; only the first layer, whose input needs no gradient,
     gets a graph of its own). It fuses the elementwise passes between the GEMMs (rotary, residual adds,
-    SiLU * up, LoRA's adds and casts) that eager runs as a kernel each: on the H200 a 7B update
-    micro-batch took 888 instead of 971 ms on a bf16 base, 907 instead of 1086 on NVFP4
-    (results/bench_h200.md)."""
+    SiLU * up, LoRA's adds and casts) that eager runs as a kernel each (timings: results/bench_h200.md)."""
     return torch.compile(Block.forward, backend=backend)
 
 
@@ -258,8 +255,8 @@ class Transformer(nn.Module):
         training = self.training and torch.is_grad_enabled()
         compiled = _compiled_block(self.compile_blocks) if training and self.compile_blocks else None
         if compiled:  # each micro-batch brings its own token and sequence counts: compile shape-generic at once;
-            # else torch compiles for static shapes first, then again as each count first changes (H200, 1.5B
-            # shape: two more compiles, 24 s; results/bench_h200.md)
+            # else torch compiles for static shapes first, then again as each count first changes (seconds
+            # each, once a run: results/bench_h200.md)
             dims = [(cos, 0), (cos, 2), (sin, 0), (sin, 2)]
             for t, d in dims + ([(shared[0], 0), (shared[0], 1), (shared[1], 0)] if shared else []):
                 torch._dynamo.maybe_mark_dynamic(t, d)
@@ -277,25 +274,26 @@ class Transformer(nn.Module):
             cache.advance(T)
         return self.norm(x)
 
-    def shared_prompt_hidden(self, tokens, lengths, shared):
+    def shared_prompt_hidden(self, tokens, lengths, prefix):
         """hidden(tokens) for B right-padded sequences, tokens (B, L) of lengths (B,), in which sequence b
-        begins with the first shared[b] tokens of sequence b - 1 (0: nothing shared), with each shared
+        begins with the first prefix[b] tokens of sequence b - 1 (0: nothing shared), with each shared
         token and all padding run once or not at all. That is an RL update's G samples of a prompt
         (train.completion_logprobs): with 256-token prompts and 1024-token completions it is a sixth
-        fewer tokens, and a 7B update of 8 prompts x 8 samples went 5.1 -> 4.4 s on the H200 (with each
-        prompt's samples packed as a row of their own: results/bench_h200.md). The caller vouches that
+        fewer tokens (the update's time: results/bench_h200.md). The caller vouches that
         the shared tokens are equal. The model sees one packed row of the distinct tokens, each at its
         position in its sequence; only attention tells the sequences apart (shared_prompt_attention).
         Backward sums the gradients of every sequence that reads a shared token into it. Returns
         (B, L, H), final-normed; past a sequence's length the states mean nothing."""
         B, L = tokens.shape
         lengths = [int(n) for n in lengths]
-        if min(lengths) < 1 or shared[0] or any(s > min(n, m) for s, n, m in zip(shared[1:], lengths[1:], lengths)):
-            raise ValueError(f"shared_prompt_hidden: every sequence needs a token, shared[0] must be 0 and shared[b] at "
-                             f"most the lengths of sequences b and b - 1; got lengths {lengths}, shared {shared}")
+        if (min(lengths) < 1 or max(lengths) > L or prefix[0]
+                or any(s > min(n, m) for s, n, m in zip(prefix[1:], lengths[1:], lengths))):
+            raise ValueError(f"shared_prompt_hidden: every sequence needs 1 to {L} tokens (the width of tokens), "
+                             f"prefix[0] must be 0 and prefix[b] at most the lengths of sequences b and b - 1; "
+                             f"got lengths {lengths}, prefix {prefix}")
         index = torch.zeros(B, L, dtype=torch.long)  # where token j of sequence b lies in the packed row
         packed, P = [], 0  # the packed tokens' flat positions b·L + j in tokens
-        for b, (n, s) in enumerate(zip(lengths, shared)):
+        for b, (n, s) in enumerate(zip(lengths, prefix)):
             index[b, :s] = index[b - 1, :s]
             index[b, s:n] = torch.arange(P, P + n - s)
             index[b, n:] = index[b, n - 1]  # padding: copies of the last token, after every real query
@@ -395,13 +393,12 @@ def load_weights(model, folder, quantize_on_load=False):
         path = os.path.join(folder, shard)
         try:  # a truncated or corrupted shard: name it, rather than safetensors' bare error
             f = safe_open(path, "pt")
-            read = lambda key: f.get_tensor(key)  # noqa: E731
         except Exception as e:
             raise ValueError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e}); "
                              f"download or copy it again") from None
         for key in keys:
             try:
-                src = read(key)
+                src = f.get_tensor(key)
             except Exception as e:
                 raise ValueError(f"{path}: cannot read tensor {key} ({type(e).__name__}: {e}); the file may be "
                                  f"truncated: download or copy it again") from None

@@ -37,7 +37,7 @@ code for code:
   rather than padding silently. NaN or Inf in a weight raises with the tensor's name.
 
 Fused groups in the checkpoint. vLLM runs q/k/v of a layer as one linear (qkv_proj) and gate/up as
-one (gate_up_proj), each holding a single global scale; fed separate ones it keeps one of them and warns
+one (gate_up_proj), each holding a single global scale; fed separate ones it keeps the largest and warns
 that accuracy may degrade. So save_quantized gives every member of such a group the group's scale,
 448*6 / (the largest amax of its members), the smallest of their own, as llm-compressor writes NVFP4
 checkpoints: on a float32 model its NVFP4A16 output equals ours tensor for tensor
@@ -144,7 +144,8 @@ def quantize(w, name="weight", global_scale=None):
     n, k = w.shape
     if k % BLOCK:
         raise ValueError(f"{name}: in_features {k} is not a multiple of {BLOCK}, the NVFP4 block size; "
-                         f"pad the weight's columns with zeros to a multiple of {BLOCK} or keep this layer in bf16")
+                         f"pad the weight's columns with zeros to a multiple of {BLOCK}, or leave this layer unquantized "
+                         f"(fp4_gemm.quantize_model's filter)")
     w = w.float()
     if not torch.isfinite(w).all():
         bad = (~torch.isfinite(w)).sum().item()
@@ -214,7 +215,8 @@ def fused_group(key, keys=None):
     """The checkpoint keys quantized with one shared global scale together with `key`: q/k/v of its
     layer, or gate/up of its layer (those present in `keys`, when given); (key,) for o_proj, down_proj.
     vLLM runs each group as one fused linear (qkv_proj, gate_up_proj) that holds a single global scale
-    (given separate ones it keeps the largest amax's and warns), so a checkpoint for vLLM must share it,
+    (given separate ones it keeps their largest global scale, the smallest amax's, so the other members
+    decode too small, and warns), so a checkpoint for vLLM must share it,
     as llm-compressor's NVFP4 schemes write it."""
     parts = key.split(".")  # model.layers.3.self_attn.q_proj.weight
     prefix, name = ".".join(parts[:-2]), parts[-2]
@@ -256,7 +258,7 @@ def weight_map(folder):
 
 def save_quantized(src, dst, progress=True, force=False):
     """Quantize the decoder linears of the HF checkpoint folder `src` into `dst`, shard by shard
-    (one tensor in memory at a time, so a 32B model needs no 64 GB of RAM). Everything else
+    (one shard's output in memory at a time, so a 32B model needs no 64 GB of RAM). Everything else
     (embeddings, norms, lm_head, biases) is copied unchanged; tokenizer files come along.
     The folder appears atomically: written under a temporary name, then renamed; the temporary folder
     goes on any failure. `dst` may replace only an earlier output of this command, or, with force, any

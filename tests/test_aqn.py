@@ -108,9 +108,11 @@ def test_restore_after_exception_and_sigma_zero():
     with aqn.noise(model, 0.0) as info:  # stage 0: nothing changes, but the norms were found
         assert info.modified == 0 and len(info.names) == 4
         assert all(torch.equal(before[n], w) for n, w in norm_weights(model).items())
-    with pytest.raises(ValueError):
-        with aqn.noise(model, -1e-3):
-            pass
+    for bad in (-1e-3, float("nan"), float("inf")):  # NaN would add nothing silently, inf wipe the norms
+        with pytest.raises(ValueError, match="finite number >= 0"):
+            with aqn.noise(model, bad):
+                pass
+    assert all(torch.equal(before[n], w) for n, w in norm_weights(model).items())
 
 
 def test_noise_in_an_update_pass_with_checkpointing():

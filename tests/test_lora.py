@@ -144,6 +144,13 @@ def test_apply_lora_wraps_targets_and_freezes_everything_else(hf_folder):
         lora.apply_lora(model)
     with pytest.raises(ValueError, match="matched no linear"):
         lora.apply_lora(ours(folder), targets=("nope",))
+    normed = ours(folder)  # the other order would freeze the norms that train_norms made trainable
+    lora.train_norms(normed)
+    with pytest.raises(ValueError, match="call train_norms after apply_lora"):
+        lora.apply_lora(normed)
+    assert all(w.requires_grad for w in lora.trained_norms(normed).values())
+    with pytest.raises(ValueError, match="quant must be 'nvfp4' or 'bf16'"):  # a typo must not train bf16
+        lora.load_policy(folder, quant="fp4")
     # A subset of targets
     sub = ours(folder)
     lora.apply_lora(sub, targets=("q_proj", "down_proj"))
@@ -443,7 +450,7 @@ def test_trained_norms_load_in_peft_and_back_with_same_logits(hf_folder, tmp_pat
 
     hf, folder = hf_folder(num_hidden_layers=3)
     model = ours(folder)
-    params = lora.apply_lora(model, rank=4, alpha=8)
+    lora.apply_lora(model, rank=4, alpha=8)
     norms = lora.train_norms(model)
     assert len(norms) == 2 * 3 and all(p.requires_grad and p.dtype == torch.float32 for p in norms)
     assert not model.norm.weight.requires_grad and not model.embed_tokens.weight.requires_grad  # the final norm stays

@@ -64,6 +64,8 @@ def test_nvfp4_model_close_to_bf16_model(hf_folder, tmp_path):
 
 
 def test_swap_linears_and_random_model():
+    with pytest.raises(ValueError, match="unknown Qwen2.5 size '72b'; use one of 0.5b, 1.5b"):
+        M.qwen25_config("72b")
     cfg = M.qwen25_config("0.5b")
     assert (cfg.hidden_size, cfg.num_layers, cfg.num_kv_heads, cfg.tie_word_embeddings) == (896, 24, 2, True)
     small = M.Config({**cfg.raw, "num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 64,
@@ -191,8 +193,10 @@ def test_shared_prompt_hidden_is_hidden_of_each_whole_sequence(hf_folder, quanti
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
     for g, g0 in zip(results[1][1], results[0][1]):  # float32 sums in another order
         torch.testing.assert_close(g, g0, rtol=1e-4, atol=1e-4 * float(g0.abs().max()))
-    with pytest.raises(ValueError, match="shared"):
+    with pytest.raises(ValueError, match="prefix"):
         m.shared_prompt_hidden(tokens, lengths, [0, 7, 7, 0, 9, 0])  # more than row 3 has
+    with pytest.raises(ValueError, match="1 to 12 tokens"):
+        m.shared_prompt_hidden(tokens, [13] + lengths[1:], shared)  # longer than tokens is wide
 
 
 def test_errors(hf_folder, tmp_path, monkeypatch):
