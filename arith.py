@@ -120,6 +120,8 @@ def load(split, n=None, seed=0):
     in (split, seed); the answer is the GSM8K-format solution ending in `#### N`."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if n is not None and n < 0:
+        raise ValueError(f"n must be >= 0 (how many problems) or None for DEFAULT_SIZE[split], got {n}")
     n = DEFAULT_SIZE[split] if n is None else n
     rng = random.Random(f"arith-{seed}-{split}")
     seen, items = set(), []
@@ -139,7 +141,8 @@ _EQ = re.compile(r"(\d+)([+\-*])(\d+)=(\d+)\.")
 
 def parse_solution(answer):
     """(steps, final): the equations [(x, op, y, z)] of a solution and its `#### N` value, or None for
-    the final when absent. Used by the tests and handy for inspecting model completions."""
+    the final when absent. tiny.py grades its held-out accuracy while training the tiny policy with it
+    (the gold's final against each completion's); the tests check the equations with it."""
     steps = [(int(x), op, int(y), int(z)) for x, op, y, z in _EQ.findall(answer)]
     m = re.search(r"####\s*(-?\d+)", answer)
     return steps, int(m.group(1)) if m else None

@@ -118,7 +118,7 @@ def collect_informative(sample_fn, want, max_rounds):
         raise ValueError(f"need want >= 0 and max_rounds >= 1, got want={want}, max_rounds={max_rounds}")
     kept_items, kept_rewards = [], []
     seen = filtered = held = rounds = 0
-    template = None  # the first rewards tensor, for the shape and dtype of an empty result
+    template = None  # the first round's rewards: every later round must have its group size G
     while held < want and rounds < max_rounds:
         items, rewards = sample_fn(rounds)
         rounds += 1

@@ -25,8 +25,11 @@ tasks.grade (the same judge RL is rewarded by), and report:
 - per-level and per-subject avg@K when the items carry them (MATH500), the mean completion length and
   the fraction cut off at --max-new-tokens.
 
-The summary goes to OUT/summary.json, every completion with its grade and extracted answer to
-OUT/samples.jsonl, and the summary is printed.
+The summary, with the settings that produced it (model, adapter, quant, data, split, prompt style,
+sampling), goes to OUT/summary.json, every completion with its grade and extracted answer to
+OUT/samples.jsonl, and the summary is printed. OUT defaults to runs/eval/<model>[+<adapter>]-<quant>-
+<data>[-<split>] (default_out). --prompt official asks as the official code does (tasks.py): evaluate a
+policy with the prompt style it was trained with.
 
 Departures from the official QeRL evaluation, each on purpose:
 - The LoRA adapter is applied. The official GSM8K eval script builds the vLLM engine from the base
@@ -54,7 +57,14 @@ import torch
 
 import tasks
 
-DEFAULT_MAX_NEW_TOKENS = {"arith": 64, "gsm8k": 512}  # anything else (MATH-style): 2048
+# Completion budgets. The CLI knows the data set, so it gives each its own (when --max-new-tokens is not
+# passed): the arith task's solutions fit in 49 tokens of the tiny policy, GSM8K's reasoning in a few
+# hundred, and any other set is taken as MATH-style long reasoning and gets 2048 tokens (the official
+# GSM8K scripts' completion length; their BigMath runs allow 4096). evaluate() is told no data set, so a
+# caller that names no budget gets one fixed middle value; train.py and tiny.py always pass their own.
+DEFAULT_MAX_NEW_TOKENS = {"arith": 64, "gsm8k": 512}  # eval.py --data NAME -> budget
+OTHER_MAX_NEW_TOKENS = 2048  # eval.py --data of any other name, or a file
+EVALUATE_MAX_NEW_TOKENS = 1024  # evaluate()'s default (and what None means there)
 
 
 def pass_at_k(n, c, k):
@@ -83,8 +93,8 @@ def _breakdown(records, field):
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, items, kind=None, *, samples=1, temperature=0.6, top_p=0.95, max_new_tokens=1024,
-             batch_size=None, seed=0, progress=False, prompt="ours"):
+def evaluate(model, tokenizer, items, kind=None, *, samples=1, temperature=0.6, top_p=0.95,
+             max_new_tokens=EVALUATE_MAX_NEW_TOKENS, batch_size=None, seed=0, progress=False, prompt="ours"):
     """Sample `samples` completions of each item and grade them.
 
     items: tasks.load_dataset records ({question, answer[, kind, level, subject, id]}); an item's own
@@ -92,6 +102,11 @@ def evaluate(model, tokenizer, items, kind=None, *, samples=1, temperature=0.6, 
     per rollout.generate call (prompts per call = batch_size // samples, at least 1; default 256 for a
     model on the CPU, 64 on a GPU, where the KV cache grows with it). seed: the
     sampling seed; batch b uses seed + b, so the result does not depend on the global RNG.
+
+    max_new_tokens: the most tokens a completion may take (None: EVALUATE_MAX_NEW_TOKENS, 1024, a
+    budget for any set since this function is not told which one it grades; the CLI picks one per data
+    set instead, DEFAULT_MAX_NEW_TOKENS). A completion cut off there is graded as it stands and counted
+    in `truncated`.
 
     prompt: "ours" (the instruction after the question) or "official" (QeRL's think/answer system
     prompt), as tasks.get_task.
@@ -109,8 +124,8 @@ def evaluate(model, tokenizer, items, kind=None, *, samples=1, temperature=0.6, 
         raise ValueError("evaluate needs at least one item")
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
-    max_new_tokens = 1024 if max_new_tokens is None else max_new_tokens
-    if max_new_tokens < 1:  # (0 once became the default here, silently)
+    max_new_tokens = EVALUATE_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens
+    if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     kinds = [it.get("kind") or kind for it in items]
     if any(k is None for k in kinds):
@@ -183,13 +198,17 @@ def parse_args(argv=None):
     p.add_argument("--samples", type=int, default=1, help="K, completions per problem")
     p.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (0: greedy)")
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass")
+    p.add_argument("--prompt", default="ours", choices=list(tasks.PROMPT_STYLES), help="how problems are asked: "
+                   "our instruction, or the official think/answer system prompt (tasks.get_task); evaluate a "
+                   "policy with the style it was trained with (train.py --prompt)")
     p.add_argument("--max-new-tokens", type=int, default=None,
-                   help="completion budget (default: 64 for arith, 512 for gsm8k, 2048 otherwise)")
+                   help="completion budget (default: 64 for arith, 512 for gsm8k, 2048 for any other set, "
+                   "MATH-style long reasoning)")
     p.add_argument("--batch-size", type=int, default=None, help="completions per generate call (default: 256 CPU, 64 GPU)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--out", default=None, help="output folder (default runs/eval/<model>[+<adapter>]-<data>); an "
-                   "earlier eval.py output there is replaced")
+    p.add_argument("--out", default=None, help="output folder (default runs/eval/<model>[+<adapter>]-<quant>-<data>"
+                   "[-<split>], the split left out for a file); an earlier eval.py output there is replaced")
     p.add_argument("--force", action="store_true", help="write into a non-empty --out that eval.py did not write "
                    "(replacing its contents)")
     return p.parse_args(argv)
@@ -211,14 +230,22 @@ def check_args(args):
 
 
 def default_out(args):
-    """runs/eval/<model>-<data>, with the adapter's folder and its parent's name when one is given, so
-    evaluating the base and then an adapter (or two adapters) never overwrite each other's results."""
+    """runs/eval/<model>[+<adapter>]-<quant>-<data>[-<split>]: every setting that picks what is evaluated
+    is in the name, so two evaluations that differ in any of them never overwrite each other's results.
+    The adapter appears as its folder and its parent's name (runs/x/adapter -> +x_adapter); the split
+    only for a named data set (a file is read whole, whatever --split says). Sampling settings
+    (--samples, --temperature, --prompt, ...) are not in the name but in summary.json: pass --out to
+    keep such runs apart. E.g. runs/eval/tiny-nvfp4-gsm8k-test, runs/eval/qwen2.5-7b+x_adapter-bf16-math500-test."""
     name = _slug(args.model)
-    if args.adapter:  # runs/x/adapter -> +x_adapter
+    if args.adapter:
         adapter = os.path.normpath(str(args.adapter))
         parent = os.path.basename(os.path.dirname(os.path.abspath(adapter)))
         name += f"+{_slug(parent)}_{_slug(adapter)}" if parent else f"+{_slug(adapter)}"
-    return os.path.join("runs", "eval", f"{name}-{_slug(args.data).removesuffix('.jsonl')}")
+    if args.data in tasks.DATASETS:
+        data = f"{args.data}-{_slug(args.split)}"
+    else:
+        data = _slug(args.data).removesuffix(".jsonl")
+    return os.path.join("runs", "eval", f"{name}-{args.quant}-{data}")
 
 
 def _slug(s):
@@ -234,7 +261,7 @@ def main(argv=None):
 
     device = hub.resolve_device(args.device, "eval.py")  # (stops with a message when cuda is asked for and absent)
     data_name = _slug(args.data).removesuffix(".jsonl")
-    max_new = args.max_new_tokens or DEFAULT_MAX_NEW_TOKENS.get(data_name, 2048)
+    max_new = args.max_new_tokens or DEFAULT_MAX_NEW_TOKENS.get(data_name, OTHER_MAX_NEW_TOKENS)
     out = args.out or default_out(args)
     # The model, the adapter, the data and the output folder first, before any loading: an unwritable
     # --out found after the evaluation would lose its results.
@@ -249,9 +276,10 @@ def main(argv=None):
         model, tokenizer = lora.load_policy(model_dir, args.adapter, args.quant, device)
     print(f"eval: {args.model}{' + ' + args.adapter if args.adapter else ''} ({args.quant}) on {device}, "
           f"{args.data}/{args.split}: {len(items)} problems x {args.samples} samples, T={args.temperature} "
-          f"top-p={args.top_p}, max {max_new} new tokens")
+          f"top-p={args.top_p}, max {max_new} new tokens, prompt {args.prompt}")
     res = evaluate(model, tokenizer, items, samples=args.samples, temperature=args.temperature, top_p=args.top_p,
-                   max_new_tokens=max_new, batch_size=args.batch_size, seed=args.seed, progress=True)
+                   max_new_tokens=max_new, batch_size=args.batch_size, seed=args.seed, progress=True,
+                   prompt=args.prompt)
     records = res.pop("records")
     summary = {"model": args.model, "adapter": args.adapter, "quant": args.quant, "data": args.data,
                "split": args.split, "device": str(device), "seed": args.seed, **res}

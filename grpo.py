@@ -105,7 +105,8 @@ def group_advantages(rewards, eps=1e-6, std="group"):
     """(num_groups, G) rewards -> (num_groups, G) advantages, (r - group mean) / (scale + eps).
 
     std: "group" divides by each group's unbiased std (DeepSeekMath), "batch" by the unbiased std
-    of all rewards, "none" not at all (Dr. GRPO). Groups of one (G == 1) give zeros.
+    of all rewards, "none" not at all (Dr. GRPO). Groups of one (G == 1) give zeros, no groups
+    (num_groups == 0) an empty result.
     """
     if std not in STD_MODES:
         raise ValueError(f"std must be one of {STD_MODES}, got {std!r}")
@@ -113,14 +114,15 @@ def group_advantages(rewards, eps=1e-6, std="group"):
         raise ValueError(f"rewards must be (num_groups, G), got shape {tuple(rewards.shape)}")
     if not rewards.is_floating_point():
         rewards = rewards.to(torch.get_default_dtype())
-    if rewards.shape[1] < 2:
-        # No baseline from a single sample; also avoids the NaN of an unbiased std over one value.
+    if rewards.shape[1] < 2 or rewards.shape[0] == 0:
+        # No baseline from a single sample, and no groups to score; also avoids the NaN (and torch's
+        # warning) of an unbiased std over fewer than two values.
         return torch.zeros_like(rewards)
     centered = rewards - rewards.mean(dim=1, keepdim=True)  # (num_groups, G)
     if std == "group":
         scale = rewards.std(dim=1, keepdim=True)  # (num_groups, 1)
     elif std == "batch":
-        scale = rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())
+        scale = rewards.std()
     else:
         return centered
     return centered / (scale + eps)

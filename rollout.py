@@ -32,16 +32,19 @@ Shared prompts. A group's n samples continue the same prompt (row r = i·n + j i
 i), so the prompt is run once, on P rows, and its cache rows are then repeated n times (KVCache.
 repeat_rows) before decoding N = P·n rows. Same result as prefilling N rows, n times less prefill.
 
-Sampling. With z = logits / T in float32, each step draws
+Sampling. With z = logits / τ in float32 (τ the temperature), each step draws
 
     token   = argmax_v { z[v] + g[v] : v in the kept set }          g[v] ~ Gumbel(0, 1)
     logprob = z[token] − logsumexp(z)
 
-Gumbel-max draws exactly from softmax(z) restricted to the kept set and renormalized (top-k: the k
-largest z; top-p: the shortest prefix of the sorted distribution whose mass reaches p), which is what
-HF's warpers sample from. The logprob is that of the UNTRUNCATED softmax(logits / T): the number the
-trainer recomputes from a full forward (train.py), so the two agree up to rounding. Temperature 0 is
-greedy (argmax), with the logprobs of softmax(logits).
+Gumbel-max draws exactly from softmax(z) restricted to the kept set and renormalized. With top-k
+alone the kept set is the k largest z; with top-p alone, the shortest prefix of the sorted softmax(z)
+whose mass reaches p: with one of them set, the same set HF's logits warpers (and vLLM) sample from.
+With both set, ours keeps the tokens in both sets, the top-p set measured on the full softmax(z); HF
+and vLLM instead measure top-p on the k tokens that top-k kept, renormalized, and so may keep fewer
+(that mass reaches p sooner). train.py and eval.py use top-p alone. The logprob is that of the
+UNTRUNCATED softmax(logits / τ): the number the trainer recomputes from a full forward (train.py), so
+the two agree up to rounding. Temperature 0 is greedy (argmax), with the logprobs of softmax(logits).
 
 The noise g is a counter-based hash of (seed, row, step, vocab index) (`gumbel_noise`: the integer
 hash lowbias32, two rounds, 24 bits to a uniform, then −log(−log u)). There is no RNG state: a draw
@@ -66,11 +69,11 @@ the column index, which keeps the cache one tensor and the step one fixed shape.
 
 The engine. On a CUDA GPU with Triton, `generate` hands the call to engine/decode.py at one marked
 point below. It computes the same thing faster: the whole decode step is one CUDA graph replayed per
-token, with the residual add + RMSNorm, rotary embedding + cache write, LoRA B products, SiLU·up and a
-split-K attention over only the columns present each one fused Triton kernel, q|k|v and gate|up as
-one GEMM each, the sampler above inside the graph, the group's shared prompt read once for all its
-samples, and the live rows moved into a smaller batch as rows finish. Its tests check it against
-this file (greedy tokens equal, logprobs within a stated tolerance, the same seeded samples);
+token; the residual add + RMSNorm, the rotary embedding + cache write, the LoRA B products, SiLU·up,
+and a split-K attention over only the columns present are each one fused Triton kernel; q|k|v and
+gate|up are one GEMM each; the sampler above runs inside the graph; a group's shared prompt is read
+once for all its samples; and the live rows move into a smaller batch as rows finish. Its tests check
+it against this file (greedy tokens equal, logprobs within a stated tolerance, the same seeded samples);
 results/rollout_h200.md has its measurements.
 
     python rollout.py --model tiny --prompt "Tom has 3 apples and buys 4 more. How many now?"
@@ -100,15 +103,20 @@ class Rollout:
     """N = len(prompts) * n completions; row i*n + j is sample j of prompt i.
 
     tokens    (N, T) int64    completions, right-padded with pad_id; a stop token is included
-    logprobs  (N, T) float32  log-prob of each sampled token under softmax(logits / T), before top-p /
-                              top-k truncation (what the trainer recomputes); 0 at padding
+    logprobs  (N, T) float32  log-prob of each sampled token under softmax(logits / temperature),
+                              before top-p / top-k truncation (what the trainer recomputes); 0 at padding
     lengths   (N,)   int64    completion lengths (stop token included)
     finish    list of "stop" (a stop token was sampled) or "length" (max_new_tokens reached)
     prompt_index (N,) int64   which prompt each row continues
-    stats     timings and what ran (prefill_s, decode_s, steps, kernels, graphs, capture_s, rows,
-              prefill_rows, prompt_len, cache_columns, prefill: eager | captured | replayed, shrinks:
-              [(step, rows)] where the engine moved the live rows to fewer, segments: [(rows, steps,
-              seconds)] of the decode in each of those batches, graph captures left out)
+    stats     timings and what ran: prefill_s, decode_s, steps (sampling steps: one on the prefill's
+              logits, then one after each decode forward), kernels, graphs, capture_s, rows,
+              prefill_rows, prompt_len, cache_columns, prefill (eager | captured | replayed), and how
+              the batch shrank as rows finished, from both samplers:
+              shrinks   [(step, rows)]: after sampling token `step` the live rows moved to a batch of
+                        `rows` (this file: exactly the live rows; the engine: their number rounded
+                        up to a power of two), which ran every later decode forward until the next
+              segments  [(rows, forwards, seconds)]: the decode in each of those batch sizes, in
+                        order (graph captures left out); the forwards add up to steps − 1
     """
     tokens: torch.Tensor
     logprobs: torch.Tensor
@@ -169,10 +177,12 @@ def gumbel_noise(rowkey, step, V):
 
 
 def truncation_threshold(z, top_p, top_k):
-    """z (N, V) = logits / T → (N,) float32: the smallest z a token may have to be sampled (−inf: all).
-    top-k keeps the k largest; top-p the shortest prefix of the sorted distribution whose mass
-    reaches top_p (a token is kept when the mass strictly before it is < top_p). Ties at the
-    threshold are all kept."""
+    """z (N, V) = logits / temperature → (N,) float32: the smallest z a token may have to be sampled
+    (−inf: all). top-k keeps the k largest; top-p the shortest prefix of the sorted softmax(z) whose
+    mass reaches top_p (a token is kept when the mass strictly before it is < top_p). With both, the
+    larger of the two thresholds: the tokens in both sets, top-p measured on the full softmax(z), not
+    on the top-k tokens renormalized as HF's warpers do (module docstring). Ties at the threshold are
+    all kept."""
     thr = torch.full(z.shape[:1], float("-inf"), device=z.device)
     if top_k and top_k < z.shape[-1]:
         thr = torch.topk(z, top_k, dim=-1).values[:, -1]
@@ -257,8 +267,10 @@ def sampling_setup(prompts, n, max_new_tokens, temperature, top_p, top_k, stop_i
         raise ValueError("generate needs at least one prompt, and every prompt at least one token")
     if n < 1 or max_new_tokens < 1:
         raise ValueError(f"n and max_new_tokens must be >= 1, got n={n}, max_new_tokens={max_new_tokens}")
-    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-        raise ValueError(f"need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got {temperature}, {top_p}, {top_k}")
+    # `not (...)`: a NaN fails every comparison, so it is refused too, not passed on to give garbage samples
+    if not (0 <= temperature < float("inf") and 0 < top_p <= 1 and top_k >= 0):
+        raise ValueError(f"need a finite temperature >= 0 (0 = greedy), 0 < top_p <= 1 and top_k >= 0; got "
+                         f"temperature={temperature}, top_p={top_p}, top_k={top_k}")
     if seed is None:
         seed = int(torch.randint(0, 2**62, (1,)))
     sp = SimpleNamespace(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
@@ -301,6 +313,7 @@ def sample(model, prompts, n, max_new_tokens, sp, seed, stream=None):
     batch = torch.arange(N, device=dev)  # the row of the call that each row of the batch holds
     done = torch.zeros(N, dtype=torch.bool, device=dev)  # (batch,) rows that have stopped
     steps = 0
+    shrinks, segments, seg_start, seg_t = [], [], 1, t1  # the same bookkeeping as the engine's (Rollout.stats)
     for t in range(max_new_tokens):
         tok, lp = sample_reference(logits, keys[batch], t, sp.temperature, sp.top_p, sp.top_k)  # token t of each
         live = batch[~done]
@@ -316,18 +329,24 @@ def sample(model, prompts, n, max_new_tokens, sp, seed, stream=None):
         if t == max_new_tokens - 1 or bool(done.all()):
             break
         if 2 * int((~done).sum()) <= len(batch):  # the live rows fit in half the batch: the finished ones leave
+            sync()
+            now = time.perf_counter()
+            segments.append((len(batch), steps - seg_start, now - seg_t))  # the forwards run at the old size
+            seg_start, seg_t = steps, now
             keep = ~done
             batch, done, tok, pos = batch[keep], done[keep], tok[keep], pos[keep]
             cache.keep_rows(keep)
+            shrinks.append((t, len(batch)))  # the forwards after token t run this many rows
         # token t of every row in, at its position: one more column of the cache, the logits of token t + 1
         logits = model.lm_head(model.hidden(tok[:, None], pos[:, None], cache)[:, -1])  # (batch, V)
         pos = pos + 1
     sync()
     t2 = time.perf_counter()
+    segments.append((len(batch), steps - seg_start, t2 - seg_t))
     T = int(lengths.max())
     stats = dict(kernels="torch", graphs=False, capture_s=0.0, rows=N, prefill_rows=P, prompt_len=Lp,
-                 cache_columns=S, prefill="eager", prefill_s=t1 - t0, decode_s=t2 - t1, steps=steps, shrinks=[],
-                 segments=[(N, steps - 1, t2 - t1)])
+                 cache_columns=S, prefill="eager", prefill_s=t1 - t0, decode_s=t2 - t1, steps=steps, shrinks=shrinks,
+                 segments=segments)
     return Rollout(tokens=out_tok[:, :T].clone(), logprobs=out_lp[:, :T].clone(), lengths=lengths,
                    finish=["stop" if s else "length" for s in stopped.tolist()],
                    prompt_index=torch.arange(P, device=dev).repeat_interleave(n), stats=stats)
@@ -356,7 +375,8 @@ def generate(model, prompts, *, n=1, max_new_tokens=256, temperature=1.0, top_p=
     makes the call reproducible (None: drawn from torch's global RNG). stream(step, tokens (N,)) is
     called after every step. kernels: "auto" (the engine on a CUDA GPU with Triton, this file's
     sampler elsewhere), "triton" (the engine) or "torch" (this file's sampler). graphs and compact are
-    the engine's (engine/decode.py: CUDA graphs, the live rows moved to fewer as rows finish)."""
+    the engine's (engine/decode.py: CUDA graphs, the live rows moved to fewer as rows finish; this
+    file's sampler always moves them)."""
     # ---- the one dispatch point: the fast engine, where a GPU is there ------------------------------
     if uses_engine(model, kernels):
         from engine import decode
@@ -392,7 +412,7 @@ def release(model):
 
 def chat(args):
     """Stream one sampled answer to --prompt through the checkpoint's chat template."""
-    dev = resolve_device(args.device)
+    dev = resolve_device(args.device, "rollout.py")  # (stops with a message when cuda is asked for and absent)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     with stop_on_bad_input("rollout.py"):  # a missing model, or one of an architecture this decoder lacks
         folder = read_config(args.model)[0]
@@ -401,7 +421,9 @@ def chat(args):
     ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True)
     ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
     stops = set(stop_token_ids(tok))  # the same turn ends as eval.py and train.py use
-    print(f"# {args.model} ({args.quant}) on {dev}: {len(ids)} prompt tokens, up to {args.max_new_tokens} new, "
+    dt = str(model.dtype).removeprefix("torch.")
+    weights = f"NVFP4 linears, the rest {dt}" if args.quant == "nvfp4" else f"unquantized {dt}"
+    print(f"# {args.model} ({weights}) on {dev}: {len(ids)} prompt tokens, up to {args.max_new_tokens} new, "
           f"temperature {args.temperature}, top_p {args.top_p}, sampler "
           f"{'engine' if uses_engine(model, args.kernels) else 'plain'}", file=sys.stderr)
     out, shown = [], ""
@@ -433,7 +455,8 @@ def main(argv=None):
                                             "(--bench: the engine's benchmark, see engine/bench_rollout.py).")
     p.add_argument("--model", help="HF folder, alias (qwen2.5-7b, tiny) or hub id")
     p.add_argument("--prompt", help="a user message; the answer is streamed through the chat template")
-    p.add_argument("--quant", choices=("nvfp4", "bf16"), default="bf16", help="quantize the base to NVFP4 on load")
+    p.add_argument("--quant", choices=("nvfp4", "bf16"), default="bf16", help="nvfp4: quantize the decoder's "
+                   "linears to NVFP4 on load; bf16: keep them unquantized (bf16 on a GPU, float32 on the CPU)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="most tokens to generate")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (0 = greedy)")
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass")
@@ -449,6 +472,16 @@ def main(argv=None):
         p.error("pass --model and --prompt (or --bench)")
     if not args.prompt.strip():
         p.error("--prompt is empty: give it a message to answer, e.g. --prompt \"What is 17 * 23?\"")
+    # every bad number stops here, before the model loads (generate would refuse it only after loading);
+    # each check states what a good value meets, so a NaN, which fails every comparison, is refused too
+    checks = (("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 1, "must be >= 1"),
+              ("--temperature", args.temperature, 0 <= args.temperature < float("inf"),
+               "must be a finite number >= 0 (0 = greedy)"),
+              ("--top-p", args.top_p, 0 < args.top_p <= 1, "must be in (0, 1] (1 = no nucleus truncation)"),
+              ("--top-k", args.top_k, args.top_k >= 0, "must be >= 0 (0 = all tokens)"))
+    problems = [f"{flag} {value}: {need}" for flag, value, ok, need in checks if not ok]
+    if problems:
+        p.error("; ".join(problems))
     return chat(args)
 
 

@@ -55,8 +55,8 @@ The synthetic `arith` task (arith.py) is graded and prompted as gsm8k.
 
 Reward
 ------
-`reward(kind, completion, gold, strict=False, signed=False, format_weight=0.0, prompt="ours")
--> (total, parts)`:
+`reward(kind, completion, gold, *, strict=False, signed=False, format_weight=0.0, prompt="ours")
+-> (total, parts)` (the options keyword-only):
     correct = 1 if grade(..., strict) else 0   (signed=True: +1 / -1, the DAPO recipe's accuracy reward)
     format  = format_weight * [prompt "ours": the completion gave a final answer in an explicit spot
                                (has_final_answer: `#### N` / `<answer>` for gsm8k, a closed non-empty
@@ -71,8 +71,10 @@ What the official code trains with, and what the paper reports (NVlabs/QeRL; res
   prompt="official" and format_weight=0.1 is that reward halved, which advantages divided by the
   group's reward std do not see; we compare values, not strings (`18.00`, `$18` and `1,000` are
   right), and a completion that is the bare number, with no tag, is wrong here.
-- BigMath training: 1.0 from math-verify with boxed answers tried first and no anchor-free
-  extraction, plus the same 0.2 format reward: strict mode, prompt="official", format_weight=0.2.
+- BigMath training: 1.0 from math-verify with boxed answers tried first and its fallback turned off
+  (try_extract_without_anchor=False), so the answer is read only where something marks it as one (a
+  `\\boxed{}`, "final answer is", "answer:"), never taken from the last expression found anywhere in
+  the text; plus the same 0.2 format reward: strict mode, prompt="official", format_weight=0.2.
   DAPO-Math: 1.0 for DAPO's last-line `Answer: X` (string match after normalization), no format
   reward; we ask and grade it as every math problem (\\boxed{}, math-verify), format_weight=0.
 - Reported numbers: trained models' GSM8K through the official eval script (the official prompt,
@@ -639,8 +641,9 @@ def _normalize(row, kind):
 
 def read_jsonl(path, kind=None, limit=None, prepare=None):
     """Records from a jsonl file (see module doc for the fields). `prepare` maps each raw row first (a
-    hub set's own schema; None from it drops the row). Raises ValueError listing every malformed line
-    as `path:line: reason`."""
+    hub set's own schema; None from it drops the row); `limit` keeps the first N (None: all). Raises
+    ValueError listing every malformed line as `path:line: reason`."""
+    _check_limit(limit)
     path = Path(path)
     records, errors = [], []
     with open(path, encoding="utf-8") as f:
@@ -740,9 +743,17 @@ def _download(name, source, split, path):
         f"or pass the path of a .jsonl file instead of the name.")
 
 
+def _check_limit(limit):
+    # A negative limit would slice from the end (records[:-1] drops the last one): refuse it.
+    if limit is not None and not (isinstance(limit, int) and limit >= 0):
+        raise ValueError(f"limit must be a whole number >= 0 (how many records to keep from the start) or None "
+                         f"for all, got {limit!r}")
+
+
 def load_dataset(name_or_path, split="test", limit=None, data_dir=None):
     """Records {question, answer, kind, [solution, id, level, subject]} of a named dataset's split or
-    of a jsonl file (see module doc). `limit` keeps the first N."""
+    of a jsonl file (see module doc). `limit` keeps the first N (None: all; ValueError below 0)."""
+    _check_limit(limit)
     name = str(name_or_path)
     if name in DATASETS:
         kind, source = DATASETS[name]
@@ -768,10 +779,12 @@ def main():
     parser.add_argument("--data", default="gsm8k",
                         help="dataset name (" + ", ".join(DATASETS) + ") or a .jsonl path")
     parser.add_argument("--split", default="test", help="split of a named dataset")
-    parser.add_argument("--limit", type=int, default=None, help="keep only the first N items")
+    parser.add_argument("--limit", type=int, default=None, help="keep only the first N items (N >= 1)")
     parser.add_argument("--data-dir", default=None,
                         help="cache folder (default $QERL_DATA or ~/.cache/qerl/data)")
     args = parser.parse_args()
+    if args.limit is not None and args.limit < 1:
+        parser.error(f"--limit {args.limit}: must be >= 1 (or leave it out for every item)")
     try:
         items = load_dataset(args.data, args.split, args.limit, args.data_dir)
     except (FileNotFoundError, ValueError) as e:

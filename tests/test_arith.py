@@ -88,3 +88,9 @@ def test_splits_disjoint():
 def test_bad_split():
     with pytest.raises(ValueError):
         arith.load("validation")
+
+
+def test_negative_count_is_refused():
+    with pytest.raises(ValueError, match="n must be >= 0"):
+        arith.load("test", n=-1)
+    assert arith.load("test", n=0) == []

@@ -119,3 +119,34 @@ def test_adapter_changes_the_result(tmp_path):
     assert sum(a != b for a, b in zip(texts["noisy"], texts["base"])) >= 6
     acc = {k: sum(r["correct"] for r in v) for k, v in runs.items()}
     assert acc["noisy"] < acc["base"], acc
+
+
+def test_default_out_names_what_is_evaluated():
+    """The default folder names the quant and the split, so an NVFP4 and a bf16 evaluation of the same model
+    (or the train and test splits) land in different folders instead of replacing each other's results."""
+    import os
+
+    out = lambda *a: ev.default_out(ev.parse_args(["--data", "gsm8k", *a]))  # noqa: E731
+    assert out() == os.path.join("runs", "eval", "tiny-nvfp4-gsm8k-test")
+    assert out("--quant", "bf16") == os.path.join("runs", "eval", "tiny-bf16-gsm8k-test")
+    assert out("--split", "train") != out() and out("--adapter", "runs/x/adapter") != out()
+    # a file is read whole whatever --split says, so the split is not in its name
+    f = ev.default_out(ev.parse_args(["--data", "some/dir/probs.jsonl", "--quant", "bf16"]))
+    assert f == os.path.join("runs", "eval", "tiny-bf16-probs")
+
+
+def test_cli_prompt_style_is_used_and_recorded(tmp_path, monkeypatch):
+    """--prompt official asks with the official think/answer system prompt (the style train.py --prompt
+    official trains with), and the summary records which style was used."""
+    seen = []
+    real = tasks.get_task
+    monkeypatch.setattr(tasks, "get_task", lambda kind, prompt="ours": seen.append(prompt) or real(kind, prompt))
+    common = ["--data", "arith", "--limit", "2", "--max-new-tokens", "4", "--temperature", "0"]
+    for style in ("official", "ours"):
+        seen.clear()
+        summary = ev.main(common + ["--prompt", style, "--out", str(tmp_path / style)])
+        assert set(seen) == {style}
+        assert json.loads((tmp_path / style / "summary.json").read_text())["prompt"] == style == summary["prompt"]
+    assert ev.parse_args([]).prompt == "ours"
+    with pytest.raises(SystemExit):
+        ev.parse_args(["--prompt", "nope"])

@@ -5,6 +5,7 @@ three ratio modes (trainer, sampler, tis) with their mismatch metrics against fo
 import math
 import statistics
 import sys
+import warnings
 import zlib
 from pathlib import Path
 
@@ -162,6 +163,9 @@ def test_group_advantages_groups_of_one_and_integer_rewards():
     for std in grpo.STD_MODES:
         out = grpo.group_advantages(torch.tensor([[3.0], [-1.0], [0.5]]), std=std)
         assert out.shape == (3, 1) and torch.equal(out, torch.zeros(3, 1))
+        with warnings.catch_warnings():  # no groups (all filtered out): empty, without the std's warning
+            warnings.simplefilter("error")
+            assert grpo.group_advantages(torch.zeros(0, 4), std=std).shape == (0, 4)
     ints = grpo.group_advantages(torch.tensor([[1, 0, 0], [1, 1, 1]]))
     assert ints.is_floating_point() and ints[0, 0] > 0 > ints[0, 1] and torch.equal(ints[1], torch.zeros(3))
     with pytest.raises(ValueError):

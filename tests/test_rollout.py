@@ -222,8 +222,9 @@ def test_noise_is_a_function_of_row_key_step_and_token_only():
 
 def test_rejects_bad_arguments(hf_folder):
     _, model = load(hf_folder, with_lora=False)
+    nan, inf = float("nan"), float("inf")
     for bad in (dict(prompts=[[]]), dict(prompts=[]), dict(top_p=0.0), dict(temperature=-1.0), dict(top_k=-1),
-                dict(n=0), dict(max_new_tokens=0)):
+                dict(n=0), dict(max_new_tokens=0), dict(temperature=nan), dict(top_p=nan), dict(temperature=inf)):
         with pytest.raises(ValueError):
             rollout.generate(model, bad.pop("prompts", [[1, 2]]), **bad)
     with pytest.raises(ValueError, match="kernels must be"):
@@ -244,6 +245,45 @@ def test_chat_with_an_empty_prompt_says_so(capsys):
     with pytest.raises(SystemExit):
         rollout.main(["--model", "tiny"])
     assert "pass --model and --prompt" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--temperature", "nan", "--temperature nan: must be a finite number >= 0"),
+    ("--temperature", "inf", "--temperature inf: must be a finite number >= 0"),
+    ("--temperature", "-1", "--temperature -1.0: must be a finite number >= 0"),
+    ("--top-p", "nan", "--top-p nan: must be in (0, 1]"),
+    ("--top-p", "0", "--top-p 0.0: must be in (0, 1]"),
+    ("--top-k", "-1", "--top-k -1: must be >= 0"),
+    ("--max-new-tokens", "0", "--max-new-tokens 0: must be >= 1")])
+def test_chat_refuses_bad_numbers_before_loading(capsys, flag, value, message):
+    """A bad sampling number stops the CLI with what to pass, before the model is looked for: the
+    missing model here would be reported first if the check came after the loading."""
+    with pytest.raises(SystemExit):
+        rollout.main(["--model", "/no/such/model", "--prompt", "hi", "--device", "cpu", flag, value])
+    err = capsys.readouterr().err
+    assert message in err and "no model folder" not in err, err
+
+
+def test_finished_rows_leave_the_batch_and_the_stats_say_so(hf_folder):
+    """Once the live rows fit in half the batch the finished ones leave it. The forwards really run the
+    fewer rows, stats["shrinks"] records each move as (step, live rows), and stats["segments"] splits
+    the decode's forwards at those moves, adding up to all of them (as the engine reports its own)."""
+    _, model = load(hf_folder, seed=12)
+    seen = []
+    hook = model.embed_tokens.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[0]))
+    r = rollout.generate(model, prompts_of([3, 6, 2, 5], 97, seed=13), n=4, max_new_tokens=40, temperature=1.3,
+                         stop_ids=set(range(3, 97, 9)), seed=5, kernels="torch")
+    hook.remove()
+    shrinks, segments, steps = r.stats["shrinks"], r.stats["segments"], r.stats["steps"]
+    forwards = seen[1:]  # seen[0] is the prefill; forward j computes the logits of token j + 1
+    assert len(forwards) == steps - 1 and len(shrinks) >= 2, shrinks
+    for (t, live), (t_next, _) in zip(shrinks, shrinks[1:] + [(steps - 1, None)]):
+        assert forwards[t:t_next] == [live] * (t_next - t)  # the forwards after token t ran `live` rows
+        assert live == int((r.lengths > t + 1).sum())  # exactly the rows still sampling after token t
+    assert forwards[: shrinks[0][0]] == [16] * shrinks[0][0]
+    assert [size for size, _, _ in segments] == [16] + [size for _, size in shrinks]
+    assert [k for _, k, _ in segments] == [sum(1 for f in forwards if f == size) for size, _, _ in segments]
+    assert sum(k for _, k, _ in segments) == steps - 1 and all(sec >= 0 for _, _, sec in segments)
 
 
 def test_chat_streams_an_answer(capsys):

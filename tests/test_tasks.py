@@ -416,6 +416,24 @@ def test_plain_jsonl_fields(tmp_path):
     assert len(tasks.load_dataset(path, limit=2)) == 2
 
 
+def test_a_negative_limit_is_refused(tmp_path, monkeypatch, capsys):
+    """records[:-1] would drop the last record without a word: a negative limit is an error, from a file
+    and from the generated set alike, and the CLI says so; 0 keeps nothing, None everything."""
+    path = tmp_path / "few.jsonl"
+    path.write_text("\n".join(json.dumps({"question": f"Q{i}", "answer": str(i)}) for i in range(3)))
+    for name in (path, "arith"):
+        with pytest.raises(ValueError, match="limit must be a whole number >= 0"):
+            tasks.load_dataset(name, limit=-1)
+        assert tasks.load_dataset(name, limit=0) == []
+    with pytest.raises(ValueError, match="limit must be"):
+        tasks.read_jsonl(path, limit=-2)
+    assert len(tasks.load_dataset(path)) == 3
+    monkeypatch.setattr(sys, "argv", ["tasks.py", "--data", str(path), "--limit", "-1"])
+    with pytest.raises(SystemExit):
+        tasks.main()
+    assert "--limit -1: must be >= 1" in capsys.readouterr().err
+
+
 def test_malformed_lines_are_reported_with_line_numbers(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text("\n".join([
