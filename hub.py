@@ -34,11 +34,16 @@ MARKER = ".qerl-output.json"  # {"written_by": "nvfp4.py"}: which command wrote 
 # Where models come from
 # ---------------------------------------------------------------------------------------------
 
+class DownloadError(RuntimeError):
+    """A model that is neither a local folder nor fetchable from the hub (offline, a mistyped name): bad
+    input, which a CLI reports in one line (stop_on_bad_input), unlike other RuntimeErrors."""
+
+
 def resolve_model_dir(name_or_path):
     """A local folder, an alias ('qwen2.5-7b', 'tiny') or a hub id → a local folder with config.json.
-    Hub ids are fetched with huggingface_hub (from its cache when present)."""
-    target = ALIASES.get(name_or_path.lower(), name_or_path) if isinstance(name_or_path, str) else name_or_path
-    target = os.fspath(target)
+    Hub ids are fetched with huggingface_hub (from its cache when present); DownloadError when that fails."""
+    alias = isinstance(name_or_path, str) and name_or_path.lower() in ALIASES
+    target = os.fspath(ALIASES[name_or_path.lower()] if alias else name_or_path)
     if os.path.isdir(target):
         if not os.path.exists(os.path.join(target, "config.json")):
             raise FileNotFoundError(f"{target} has no config.json; is it an HF model folder?")
@@ -56,9 +61,11 @@ def resolve_model_dir(name_or_path):
     try:
         return snapshot_download(target, allow_patterns=patterns)
     except Exception as e:
-        raise RuntimeError(f"could not download {target!r} from the Hugging Face hub ({type(e).__name__}: {e}). "
-                           f"If this machine is offline, fetch it elsewhere with `hf download {target} "
-                           f"--local-dir DIR`, copy DIR here and pass --model DIR.") from None
+        # (a name typed by the user, not an alias, may be a mistyped local path of the same org/name form)
+        local = "" if alias else f"no local folder at {target!r}, and "
+        raise DownloadError(f"{local}could not download hub id {target!r} from the Hugging Face hub "
+                            f"({type(e).__name__}: {e}). If this machine is offline, fetch it elsewhere with "
+                            f"`hf download {target} --local-dir DIR`, copy DIR here and pass --model DIR.") from None
 
 
 def read_config_json(name_or_path):
@@ -118,14 +125,15 @@ def resolve_device(name=None, prog=None):
 @contextlib.contextmanager
 def stop_on_bad_input(prog):
     """Around a CLI's look at what the user named (model, adapter, data, output folder) and its loading:
-    a missing or malformed one (FileNotFoundError, ValueError, KeyError; RuntimeError for a failed
-    download; OSError for a file that cannot be read or written), whose message names the file and says
-    what to do, stops the program with that one line, `prog: message`, instead of a traceback."""
+    a missing or malformed one (FileNotFoundError, ValueError, KeyError; DownloadError for a model that
+    cannot be fetched; OSError for a file that cannot be read or written), whose message names the file
+    and says what to do, stops the program with that one line, `prog: message`, instead of a traceback.
+    Any other error (a RuntimeError from torch, a bug) keeps its traceback."""
     try:
         yield
     except KeyError as e:  # (str() of a KeyError is its repr: quoted)
         raise SystemExit(f"{prog}: {e.args[0] if e.args else e}") from None
-    except (FileNotFoundError, ValueError, RuntimeError) as e:
+    except (FileNotFoundError, ValueError, DownloadError) as e:
         raise SystemExit(f"{prog}: {e}") from None
     except OSError as e:
         raise SystemExit(f"{prog}: {e.filename or ''}: {e.strerror or e}".lstrip(": ")) from None

@@ -5,7 +5,7 @@ policy is a ~0.9 M-parameter Qwen2-architecture model trained here, by supervise
 the synthetic arithmetic task. It is an ordinary Hugging Face checkpoint (config.json +
 model.safetensors + tokenizer), loaded by the same `model.Transformer.from_pretrained` as Qwen2.5.
 
-    python tiny.py --out assets/tiny --seed 0 --force    # ~14 min on 1 CPU thread; ~1.5 min on a GPU
+    python tiny.py --out assets/tiny --seed 0 --force    # its time and device: assets/tiny/README.md
 
 Architecture (constraints from the rest of the project):
 - Every linear is a multiple of 16 in and out (NVFP4 scales one FP8 number per 16 weights):
@@ -31,10 +31,13 @@ group-relative advantages are nonzero and sharpening pays. Plain SFT stopped ear
 its temperature-1 accuracy tracks its greedy accuracy (the errors are real gaps in arithmetic), and in
 a sweep 60 LoRA policy-gradient steps did not move it. Label smoothing (0.05) does: the model keeps ~5%
 of its probability off the right token at every position, so at temperature 1 it often slips somewhere
-in a ~30-token solution while its most likely continuation is right. Measured on the held-out split:
-greedy ~0.95, pass@1 at T=1 ~0.3, pass@8 ~0.85 -- sampling noise around a mostly-right mode, which RL
-removes in a few dozen steps (train.py's default run: ~0.31 -> ~0.68). What RL gains on this policy is
-therefore mostly sharpening, not new arithmetic. The measured numbers go to the checkpoint's README.
+in a ~30-token solution while its most likely continuation is right: greedy accuracy high, pass@1 at
+T=1 low, pass@8 well above it (the bundled checkpoint's numbers: assets/tiny/README.md) -- sampling noise
+around a mostly-right mode, which RL removes in a few dozen steps (train.py's default run: the README's
+results). What RL gains on this policy is therefore mostly sharpening, not new arithmetic.
+
+The checkpoint is built in a temporary folder beside --out and renamed into place when it is complete
+(hub.new_folder): a crash or Ctrl-C midway leaves the folder as it was, the bundled policy included.
 
 The held-out numbers at the end are measured through the project's own stack (eval.evaluate: model.py,
 NVFP4 via fp4_gemm, rollout.generate, tasks.grade), unquantized and NVFP4; `--report-only` re-measures an
@@ -100,7 +103,37 @@ def parse_args(argv=None):
                         "thread makes the checkpoint the same on any machine's core count, and a model this small "
                         "gains little from more")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    problems = check_args(args)
+    if problems:
+        p.error("; ".join(problems))
+    return args
+
+
+def check_args(args):
+    """What is wrong with the values (the architecture's constraints among them), as messages; checked
+    when the command line is read, before any folder is written."""
+    problems = [f"--{k.replace('_', '-')} {getattr(args, k)}: must be >= {low}"
+                for k, low in (("steps", 1), ("batch_size", 1), ("warmup", 1), ("train_size", 1), ("layers", 1),
+                               ("heads", 1), ("kv_heads", 1), ("eval_size", 1), ("eval_samples", 1),
+                               ("eval_every", 0), ("save_every", 0), ("threads", 0))
+                if getattr(args, k) < low]
+    if problems:
+        return problems
+    if args.vocab_size < 256 + len(SPECIAL):
+        problems.append(f"--vocab-size {args.vocab_size}: must hold the 256 bytes and {len(SPECIAL)} special tokens "
+                        f"(>= {256 + len(SPECIAL)})")
+    if args.hidden % args.heads:
+        problems.append(f"--heads {args.heads} must divide --hidden {args.hidden} (head dim = hidden / heads)")
+    elif args.heads % args.kv_heads:
+        problems.append(f"--kv-heads {args.kv_heads} must divide --heads {args.heads} (GQA shares each key/value "
+                        f"head among heads / kv-heads query heads)")
+    else:  # (NVFP4 scales one FP8 number per 16 weights: every linear's in and out features)
+        for name, v in (("--hidden", args.hidden), ("--intermediate", args.intermediate),
+                        ("head dim x --kv-heads (the k/v projections' width)", args.hidden // args.heads * args.kv_heads)):
+            if v % 16:
+                problems.append(f"{name} = {v} must be a multiple of 16 for NVFP4")
+    return problems
 
 
 def build_tokenizer(texts, vocab_size):
@@ -154,9 +187,6 @@ def prompt_text(tokenizer, question):
 def build_model(args, tokenizer):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    for name, v in [("hidden", args.hidden), ("intermediate", args.intermediate),
-                    ("head_dim*kv_heads", args.hidden // args.heads * args.kv_heads)]:
-        assert v % 16 == 0, f"{name}={v} must be a multiple of 16 for NVFP4"
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=args.hidden, intermediate_size=args.intermediate,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
@@ -255,12 +285,27 @@ def _main(args):
     torch.manual_seed(args.seed)
     out = Path(args.out)
     if args.report_only:  # re-measure an existing checkpoint, keeping how it was trained
+        if not (out / "training.json").is_file():
+            raise SystemExit(f"tiny.py: --report-only re-measures a checkpoint that tiny.py trained, and {out} has "
+                             f"no training.json; train one there first (without --report-only)")
         meta = json.loads((out / "training.json").read_text())
-        return report(out, meta, arith.load("test", args.eval_size, seed=meta["args"]["seed"]), args)
+        meta = report(out, meta, arith.load("test", args.eval_size, seed=meta["args"]["seed"]), args)
+        print(f"rewrote {out / 'training.json'} and {out / 'README.md'}")
+        return meta
     try:  # a folder of someone else's files is never written into unasked (hub.check_out)
-        hub.claim_folder(str(out), "tiny.py", force=args.force)
+        state = hub.check_out(str(out), "tiny.py", force=args.force)
+        # Built beside --out and renamed into place when complete: a failure leaves --out as it was.
+        with hub.new_folder(str(out), "tiny.py", force=args.force) as tmp:
+            meta = train_checkpoint(args, Path(tmp), forced=state == "forced")
     except hub.OutputError as e:
         raise SystemExit(f"tiny.py: {e}") from None
+    print(f"wrote {out} (model.safetensors {os.path.getsize(out / 'model.safetensors') / 2**20:.2f} MiB)")
+    return meta
+
+
+def train_checkpoint(args, out, forced=False):
+    """Train the policy and write it, its training.json and README.md into the folder `out`. forced: --out
+    was a folder that only --force let tiny.py replace, so the recorded command keeps --force."""
     t0 = time.time()
 
     train = arith.load("train", args.train_size, seed=args.seed)
@@ -317,7 +362,8 @@ def _main(args):
     defaults = vars(parse_args([]))
     flags = "".join(f" --{k.replace('_', '-')} {v}" for k, v in vars(args).items()
                     if k not in ("out", "seed", "device", "report_only", "force") and v != defaults[k])
-    meta = {"command": f"python tiny.py --out {args.out} --seed {args.seed}{flags}", "args": vars(args),
+    meta = {"command": f"python tiny.py --out {args.out} --seed {args.seed}{flags}{' --force' if forced else ''}",
+            "args": vars(args),
             "params": n_params, "train_seconds": round(train_time, 1), "device": args.device,
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             "prompt_example": prompt_text(tokenizer, held[0]["question"]), "losses": losses, "history": history}
@@ -353,8 +399,6 @@ def report(out, meta, held, args):
     (out / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
     (out / "README.md").write_text(readme(argparse.Namespace(**meta["args"]), meta, AutoConfig.from_pretrained(out),
                                           len(held), args.eval_samples))
-    size = os.path.getsize(out / "model.safetensors") / 2**20
-    print(f"wrote {out} (model.safetensors {size:.2f} MiB)")
     return meta
 
 

@@ -14,19 +14,13 @@ One step (QeRL, arXiv 2510.11696, Sec. 3; the algorithms in grpo.py and dapo.py)
                ─► grad-norm clip ─► AdamW ─► warm-up + cosine schedule
 
 On a GPU the update runs each decoder block through torch.compile (model.compile_blocks; off with
---no-compile), which fuses the elementwise work between the GEMMs: a 7B micro-batch of 8 x 1280
-tokens took 907 instead of 1086 ms on the H200 (results/bench_h200.md). The first update compiles
-(16-45 s at 7B on the H200), once for every micro-batch shape, as Transformer.hidden marks the token
-and sequence counts dynamic (a 1.5B shape measured one compile where torch's default made three); the
+--no-compile), which fuses the elementwise work between the GEMMs. The first update compiles them, one
+graph for every micro-batch shape, as Transformer.hidden marks the token and sequence counts dynamic; the
 rollout never runs compiled blocks. A micro-batch holds --micro-batch sequences where completions run to
-the limit, and more in the same memory where they stop early (micro_batches): a 7B update of 64
-completions of ~200 tokens took 1.37 instead of 1.95 s on NVFP4, 1.30 instead of 1.38 on bf16 (results/bench_h200.md).
-The update recomputes each block's activations in backward (activation checkpointing) only where the
-largest micro-batch's would not fit in the GPU's free memory (checkpointing_on): on the H200 that took a
-fifth off a 7B or 14B RL step. Running each
-prompt once for its samples, and no padding (model.shared_prompt_hidden), took the 7B update on the
-H200 from 5.1 to 4.4 s (timed in a first form of it, results/bench_h200.md) and the default tiny run's
-from 2.0 to 1.1 s a step.
+the limit, and more in the same memory where they stop early (micro_batches). The update recomputes each
+block's activations in backward (activation checkpointing) only where the largest micro-batch's would not
+fit in the GPU's free memory (checkpointing_on). Each prompt runs once for its samples, with no padding
+(model.shared_prompt_hidden). What each of these saves, measured: results/bench_h200.md.
 
 `python train.py` with no arguments runs the bundled tiny policy (assets/tiny, trained by tiny.py)
 on the synthetic arithmetic task, on the CPU (also where there is a GPU: the run and its numbers are
@@ -94,14 +88,16 @@ The tiny demo takes the recipe's values except where the last column says otherw
 warm-up, floor, LoRA rank and soft overlong band it was tuned with (30 steps of a 0.9M-parameter model
 from a weak start), its short completions and the lenient reward of its synthetic task.
 
-Outputs, all under --out (default runs/<timestamp>): metrics.jsonl (one JSON line a step),
-samples.jsonl (a few completions a step), curves.png (refreshed as it runs), summary.json
-(baseline_accuracy, final_accuracy, wall time), adapter/ (PEFT format), checkpoint/ (adapter,
+Outputs, all under --out (default runs/<timestamp>-<the run id's first 6 hex digits>): metrics.jsonl (one
+JSON line a step), samples.jsonl (a few completions a step), curves.png (refreshed as it runs),
+summary.json (baseline_accuracy, final_accuracy, wall time), adapter/ (PEFT format), checkpoint/ (adapter,
 optimizer, scheduler, step, data position and RNG as tensors and JSON, written atomically every
---save-every steps, the one before kept as checkpoint.old). `--resume DIR` continues from it exactly,
-with the run's settings (args.json): it refuses other values of any option but those RESUMABLE lists,
-and a larger --steps extends a run. A new run refuses a folder that holds an earlier one (hub.check_out's
-rules for every output folder). `--log tensorboard|wandb` also streams the metrics (optional packages).
+--save-every steps, the one before kept as checkpoint.old). `--resume DIR` continues from it exactly, with
+the run's settings (args.json): it refuses other values of any option but those RESUMABLE lists, and a
+larger --steps extends a run (the shorter run's summary.json is kept as summary.<its steps>-steps.json). A
+new run refuses a folder that holds an earlier one, started there and perhaps still running
+(hub.check_out's rules for every output folder; --force deletes it). `--log tensorboard|wandb` also streams
+the metrics (optional packages).
 
 Several GPUs (or CPU processes): `torchrun --nproc_per_node=N train.py ...` (several machines: ddp.py) runs N
 ranks on one global batch of --prompts prompts. Each rank holds the model and samples, grades and trains on
@@ -119,6 +115,7 @@ Every step logs the sampler-trainer mismatch on the sampled tokens (mismatch_kl,
 tis_clip_frac; grpo.py), whatever --ratio is.
 """
 import argparse
+import functools
 import importlib.util
 import json
 import math
@@ -151,6 +148,16 @@ from model import read_config
 import hub
 
 
+def _splits(source):
+    return {"train", "test"} if source is None else set(source.splits)  # (None: arith, generated in both)
+
+
+# tasks.DATASETS's named sets with a train split (arith, the synthetic one, first), and those with a test split.
+TRAIN_SETS = sorted((n for n, (_, src) in tasks.DATASETS.items() if "train" in _splits(src)),
+                    key=lambda n: n != "arith")
+TEST_SETS = [n for n, (_, src) in tasks.DATASETS.items() if "test" in _splits(src)]
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows each option's default, except None: those defaults depend on the model or --algo, and the
     option's help says how."""
@@ -166,8 +173,11 @@ def build_parser():
     p.add_argument("--model", default="tiny", help="alias (tiny, qwen2.5-7b, ...), HF folder, NVFP4 folder or hub id")
     p.add_argument("--quant", default="nvfp4", choices=["nvfp4", "bf16"], help="base weights: NVFP4 (QeRL) or 16-bit (the LoRA baseline)")
     p.add_argument("--algo", default="dapo", choices=["dapo", "grpo"], help="policy-gradient algorithm")
-    p.add_argument("--data", default=None, help="training set: arith, gsm8k (the named sets with a train split), or a .jsonl path (default: arith for tiny, gsm8k otherwise)")
-    p.add_argument("--eval-data", default=None, help="held-out set (default: the test split of --data)")
+    p.add_argument("--data", default=None, help=f"training set: {', '.join(TRAIN_SETS)} (the named sets with a train "
+                   f"split), or a .jsonl path (default: arith for tiny, gsm8k otherwise)")
+    p.add_argument("--eval-data", default=None, help=f"held-out set: {', '.join(TEST_SETS)} (their test split) or a "
+                   f".jsonl path (default: the test split of a named --data; needed with a --data file or a set "
+                   f"without one)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cpu for tiny, else cuda when available)")
     p.add_argument("--seed", type=int, default=0, help="seeds data order, sampling, AQN noise and LoRA init")
     # the loop
@@ -253,8 +263,8 @@ def build_parser():
     p.add_argument("--log-samples", type=int, default=2, help="completions per step written to samples.jsonl")
     p.add_argument("--plot-every", type=int, default=5, help="refresh curves.png every N steps")
     p.add_argument("--save-every", type=int, default=10, help="checkpoint every N steps (0 = only at the end)")
-    p.add_argument("--out", default=None, help="output folder (default runs/<timestamp>): new or empty; a folder "
-                   "holding an earlier run is refused (continue it with --resume, or replace it with --force)")
+    p.add_argument("--out", default=None, help="output folder (default runs/<timestamp>-<run id>): new or empty; a "
+                   "folder holding an earlier run is refused (continue it with --resume, or replace it with --force)")
     p.add_argument("--force", action="store_true", help="start a new run in a non-empty --out, deleting what it holds "
                    "(never the current folder, one holding it, or the model)")
     p.add_argument("--resume", default=None, help="continue the run in this folder from its checkpoint, with its settings "
@@ -296,11 +306,11 @@ RESUMABLE = {"steps", "eval_every", "save_every", "plot_every", "log_samples", "
 
 def recipe(args):
     """Fill the model-dependent defaults: the tiny CPU demo, or the paper's GPU recipe."""
-    tiny = args.model == "tiny"
+    tiny = is_tiny(args.model)
     fill = {
         "data": "arith" if tiny else "gsm8k",
         # A GPU would run the tiny model in bf16 (on the CPU: fp32), a different run from the one the
-        # README and the tests measured: on the H200 its first 10 steps learned less (results/bench_h200.md).
+        # README and the tests measured (how it differed on a GPU: results/rollout_h200.md).
         "device": "cpu" if tiny else None,
         "steps": 30 if tiny else 500,
         "prompts": 16,
@@ -327,8 +337,8 @@ def recipe(args):
     for k, v in fill.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    if args.eval_data is None:
-        args.eval_data = args.data
+    if args.eval_data is None and args.data in TEST_SETS:
+        args.eval_data = args.data  # (a file, or a set without a test split: none; check_args asks for one)
     if args.eval_max_new_tokens is None:
         args.eval_max_new_tokens = args.max_new_tokens
     if args.warmup_steps is None:  # (tiny: 5%, one step of 30; the official warmup_ratio 0.1 otherwise)
@@ -336,6 +346,12 @@ def recipe(args):
     if args.overlong_buffer is None:  # the official reward has no length term: truncation is masked instead
         args.overlong_buffer = args.max_new_tokens // 5 if args.algo == "dapo" and tiny else 0
     return args
+
+
+def is_tiny(model):
+    """Whether --model names the bundled tiny policy: its alias in any case, or its folder by any path."""
+    target = hub.ALIASES.get(model.lower(), model)
+    return os.path.realpath(target) == os.path.realpath(hub.ALIASES["tiny"])
 
 
 def _finite(x):
@@ -351,10 +367,11 @@ def check_args(args):
     model is loaded or any folder written."""
     problems = []
     at_least = {"steps": 1, "prompts": 1, "group_size": 2, "max_new_tokens": 1, "micro_batch": 1, "logp_chunk": 1,
-                "update_passes": 1, "max_sampling_rounds": 1, "aqn_stages": 1, "eval_limit": 1, "eval_samples": 1,
+                "update_passes": 1, "max_sampling_rounds": 1, "aqn_stages": 2, "eval_limit": 1, "eval_samples": 1,
                 "eval_max_new_tokens": 1, "lora_rank": 1, "plot_every": 1, "warmup_steps": 0, "eval_every": 0,
                 "save_every": 0, "log_samples": 0}
-    why = {"group_size": " (group-relative advantages need G >= 2)", "lora_rank": " (the adapters' rank r)"}
+    why = {"group_size": " (group-relative advantages need G >= 2)", "lora_rank": " (the adapters' rank r)",
+           "aqn_stages": " (stage 0 is noise-free)"}
     for k, low in at_least.items():
         v = getattr(args, k)
         if not isinstance(v, int) or v < low:
@@ -388,20 +405,32 @@ def check_args(args):
     if not targets or unknown:
         problems.append(f"--lora-targets {args.lora_targets}: {', '.join(unknown) or 'nothing'} matches no linear of "
                         f"the model; choose among {','.join(lora.TARGETS)}")
-    source = tasks.DATASETS.get(args.data, (None, None))[1]
-    if source is not None and "train" not in source.splits:
-        problems.append(f"--data {args.data} has no train split (only {', '.join(sorted(source.splits))}); train on "
-                        f"arith, gsm8k or a .jsonl file, and evaluate on it with --eval-data {args.data}")
-    for name in (args.data, args.eval_data):
-        if name.endswith(".jsonl") and not os.path.exists(name):
-            problems.append(f"no data file at {name}")
+    named = lambda name: name in tasks.DATASETS  # (anything else is read as a file)
+    if named(args.data) and args.data not in TRAIN_SETS:
+        only = ", ".join(sorted(_splits(tasks.DATASETS[args.data][1])))
+        problems.append(f"--data {args.data} has no train split (only {only}); train on {', '.join(TRAIN_SETS)} or a "
+                        f".jsonl file, and evaluate on it with --eval-data {args.data}")
+    choices = f"pass --eval-data FILE or a named test set ({', '.join(TEST_SETS)})"
+    if args.eval_data is None and named(args.data):  # (recipe defaults it to a named set's test split)
+        problems.append(f"--data {args.data} has no test split to evaluate on: {choices}")
+    elif args.eval_data is None:  # (a file has no splits: the held-out evaluation would grade trained items)
+        problems.append(f"--data {args.data} is read as a file, whose items are what the run trains on: {choices} "
+                        f"for the held-out evaluation")
+    elif named(args.eval_data) and args.eval_data not in TEST_SETS:
+        problems.append(f"--eval-data {args.eval_data} has no test split; pass a .jsonl file or one of "
+                        f"{', '.join(TEST_SETS)}")
+    for name in dict.fromkeys(n for n in (args.data, args.eval_data) if n is not None and not named(n)):
+        if not os.path.isfile(name):
+            problems.append(f"no data file at {name} (nor a named set: {', '.join(tasks.DATASETS)})")
     if args.fp8_update and args.quant != "nvfp4":
         problems.append("--fp8-update runs an NVFP4 base's GEMMs in FP8; with --quant bf16 drop it")
     if args.log and not _have("tensorboard" if args.log == "tensorboard" else "wandb"):
         package = "tensorboard" if args.log == "tensorboard" else "wandb"
         problems.append(f"--log {args.log} needs the optional package {package}: pip install {package} (or drop --log)")
     if args.resume and find_checkpoint(args.resume) is None:
-        problems.append(f"--resume {args.resume}: no checkpoint/ folder in it (killed before its first checkpoint? start it again without --resume)")
+        problems.append(f"--resume {args.resume}: no checkpoint/ folder in it (still running, or stopped before its "
+                        f"first checkpoint): nothing to resume; start it over with --out {args.resume} --force "
+                        f"instead of --resume (which deletes what it holds), or name a new --out")
     if problems:
         sys.exit("train.py: " + "\n  ".join(["cannot start:"] + problems))
 
@@ -721,11 +750,10 @@ def activation_bytes(cfg, tokens, dtype, attended=0):
     """About what a forward over `tokens` tokens keeps for backward without activation checkpointing. Per
     token and layer: each RMSNorm's input and output, q and the attention output (6 hidden-size vectors),
     k and v, gate, up and their product (3 intermediate-size vectors); LoRA keeps the inputs of its A's,
-    which are among these, and the frozen base weights need none. Qwen2.5-7B: 4.4 MB a token, against
-    4.3 measured (results/bench_h200.md). `attended`: tokens that attention alone sees on top
-    (model.shared_prompt_attention: a shared prompt again for each further sample, the padding), which
-    hold their q, k, v and output there too. A 7B micro-batch of 256 + 8 x 1024 tokens and 1792 on top:
-    38.4 GB, where the first form of the packing held about 38 (results/bench_h200.md)."""
+    which are among these, and the frozen base weights need none. `attended`: tokens that attention alone
+    sees on top (model.shared_prompt_attention: a shared prompt again for each further sample, the
+    padding), which hold their q, k, v and output there too. The estimate against measured peaks:
+    results/bench_h200.md."""
     per_token = 6 * cfg.hidden_size + 2 * cfg.num_kv_heads * cfg.head_dim + 3 * cfg.intermediate_size
     per_attended = 2 * cfg.hidden_size + 2 * cfg.num_kv_heads * cfg.head_dim
     return (tokens * per_token + attended * per_attended) * cfg.num_layers * torch.finfo(dtype).bits // 8
@@ -746,9 +774,7 @@ def micro_batches(cfg, dtype, prompts, lengths, size, max_new_tokens):
     real ones do, a slice takes the next sequence while its activations (micro_batch_bytes) stay within
     the largest that a slice of `size` sequences of these prompts needs at that limit, so more sequences
     share each forward and backward in no more memory. That pays where a micro-batch is short work for the
-    GPU: a 7B update of 64 completions of ~200 tokens, in 3-4 micro-batches instead of 8, took 1.37 instead
-    of 1.95 s on NVFP4 and 1.30 instead of 1.38 on bf16; in 8, its kernels added up to 1.0-1.08 s, the rest
-    gaps between them (H200, results/bench_h200.md)."""
+    GPU, whose time then goes to the gaps between kernels (measured: results/bench_h200.md)."""
     at_limit = lambda start: micro_batch_bytes(cfg, dtype, prompts[start:start + size], [max_new_tokens] * size)
     budget = max(map(at_limit, range(0, len(prompts), size)))
     slices, start = [], 0
@@ -765,8 +791,8 @@ def checkpointing_on(args, model, need):
     """Whether the update recomputes each block in backward (model.gradient_checkpointing). `auto`: only
     where the largest micro-batch's activations (`need` bytes, activation_bytes) would not otherwise fit,
     with 10% and 1 GiB to spare, in what this process can still allocate on its GPU (free memory and
-    torch's idle cache, within any per-process cap). Recomputing is a third of the pass's GEMM work: the
-    7B update pass took 7.1 s with it and 5.0 s without (results/bench_h200.md). On the CPU
+    torch's idle cache, within any per-process cap). Recomputing adds a forward, about a third of the
+    pass's GEMM work (what it cost a 7B step: results/bench_h200.md). On the CPU
     (the tiny demo, the tests) `auto` keeps it on: memory there is not measured. The gradients are the
     same either way."""
     if args.checkpointing != "auto" or model.device.type != "cuda":
@@ -841,19 +867,52 @@ def resume_args(argv):
     return args
 
 
+def default_out(run_id):
+    """runs/<timestamp>-<the run id's first 6 hex digits>: unique for runs started in the same second."""
+    return os.path.join("runs", f"{time.strftime('%Y%m%d-%H%M%S')}-{run_id[:6]}")
+
+
+def started_run(out):
+    """Whether a train.py run was started in `out`, finished or not, perhaps still running: its marker
+    names a run id (prepare_out's first write), or it holds a run's args.json, checkpoint or metrics."""
+    try:
+        run_id = hub.read_json(os.path.join(out, hub.MARKER)).get("run_id")
+    except (OSError, ValueError):
+        run_id = None
+    metrics = os.path.join(out, "metrics.jsonl")
+    return bool(run_id or os.path.exists(os.path.join(out, "args.json")) or find_checkpoint(out)
+                or (os.path.exists(metrics) and os.path.getsize(metrics) > 0))
+
+
+def summary_steps(out):
+    """The step count of the run's summary.json (written when a run of that many steps finished), or None."""
+    try:
+        steps = hub.read_json(os.path.join(out, "summary.json")).get("steps")
+    except (OSError, ValueError):
+        return None
+    return steps if isinstance(steps, int) else None
+
+
 def prepare_out(args):
     """The run's folder: --resume's, or a new one that holds no earlier run (hub.check_out's rules, and a
-    folder of an earlier train.py run only with --force, which deletes it first), marked as train.py's."""
+    folder where a train.py run was started only with --force, which deletes it first), marked as train.py's.
+    A resumed run's summary.json, the shorter run's when --steps extends it, moves aside as
+    summary.<its steps>-steps.json: summary.json always describes the run that ends in this folder."""
     if args.resume:
+        summary = os.path.join(args.resume, "summary.json")
+        if os.path.exists(summary):
+            os.replace(summary, os.path.join(args.resume, f"summary.{summary_steps(args.resume) or 'unknown'}-steps.json"))
         hub.mark(args.resume, "train.py", run_id=getattr(args, "run_id", None))
         return args.resume
-    out = args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    out = args.out or default_out(args.run_id)
     state = hub.check_out(out, "train.py", sources=[read_config(args.model)[0]], force=args.force)
-    earlier = find_checkpoint(out) or (os.path.exists(os.path.join(out, "metrics.jsonl"))
-                                       and os.path.getsize(os.path.join(out, "metrics.jsonl")) > 0)
-    if state == "ours" and earlier and not args.force:
-        raise hub.OutputError(f"--out {out} holds an earlier run; continue it with --resume {out}, or pass --force "
-                              f"to delete it and start over, or name a new folder")
+    if state == "ours" and started_run(out) and not args.force:
+        if find_checkpoint(out):
+            raise hub.OutputError(f"--out {out} holds an earlier run; continue it with --resume {out}, or pass "
+                                  f"--force to delete it and start over, or name a new folder")
+        raise hub.OutputError(f"--out {out} holds a run started earlier that has no checkpoint yet (it may still be "
+                              f"running, or it stopped before its first: nothing to resume); pass --force to delete "
+                              f"it and start over, or name a new folder")
     if state != "new":
         shutil.rmtree(out)  # (an earlier train.py run, or a folder --force lets go; never a new run in its files)
     hub.claim_folder(out, "train.py", force=args.force)
@@ -911,6 +970,143 @@ class WallTime:
         return sum(self.parts)
 
 
+class PromptEncoder:
+    """A problem's prompt tokens, as the task asks it (tasks.get_task: the chat template with --prompt's
+    instruction); each question is encoded once and kept."""
+
+    def __init__(self, tokenizer, kind, style):
+        self.task, self.tokenizer, self.ids = tasks.get_task(kind, style), tokenizer, {}
+
+    def __call__(self, item):
+        q = item["question"]
+        if q not in self.ids:
+            self.ids[q] = self.task.prompt_ids(self.tokenizer, q)
+        return self.ids[q]
+
+
+# eval.evaluate's default completions a generate call on the CPU and on a GPU (eval.py keeps them inline, in
+# its batch_size default): the sharded held-out evaluation takes the same batches.
+EVAL_BATCH = (256, 64)
+
+
+def heldout_accuracy(args, model, tokenizer, items, kind, world):
+    """The policy's held-out accuracy, graded leniently and strictly: eval.evaluate over `items`, its batch b
+    sampled with seed + b. Under several ranks each runs some of the batches with those seeds, so the
+    counts are the single-process ones (ddp.map_batches). → (accuracy, strict accuracy)."""
+    model.eval()
+    kw = dict(samples=args.eval_samples, temperature=args.eval_temperature, top_p=args.eval_top_p,
+              max_new_tokens=args.eval_max_new_tokens, prompt=args.prompt)
+    seed = args.seed + 1_000_003
+    if world.size == 1:
+        res = evaluate(model, tokenizer, items, kind, seed=seed, **kw)
+        return res["accuracy"], res.get("accuracy_strict")
+    per_batch = max(1, EVAL_BATCH[model.device.type == "cuda"] // args.eval_samples)
+
+    def right(b, start, end):
+        recs = evaluate(model, tokenizer, items[start:end], kind, seed=seed + b,
+                        batch_size=per_batch * args.eval_samples, **kw)["records"]
+        return sum(r["correct"] for r in recs), sum(r["correct_strict"] for r in recs)
+
+    counts = ddp.map_batches(len(items), per_batch, right, world)
+    n = len(items) * args.eval_samples
+    return sum(c[0] for c in counts) / n, sum(c[1] for c in counts) / n
+
+
+class Sampler:
+    """The rollout rounds of the run: what every round uses (the policy, its tokenizer and stop tokens, the
+    prompt stream, the task), and `round`, one round of one step."""
+
+    def __init__(self, args, model, tokenizer, stream, encode, kind, world):
+        self.args, self.model, self.tokenizer, self.stream, self.encode = args, model, tokenizer, stream, encode
+        self.kind, self.world, self.stop_ids = kind, world, stop_token_ids(tokenizer)
+
+    def round(self, step, sigma, noise_seed, sampled_tokens, round_):
+        """Round `round_` of step `step` (dapo.collect_informative calls it with the round alone: bind the
+        rest with functools.partial). Every rank takes the round's --prompts global prompts and samples its
+        block of them, [lo, hi) (all of them in one process), with AQN noise `sigma` on the norms; then every
+        rank learns every group's rewards (ddp.gather_rows), so that dynamic sampling, the advantages and the
+        logged means are the global batch's. Appends the round's sampled tokens to `sampled_tokens`.
+        → (groups: dicts of item, rollout (this rank's, else None), rows, rewards and their parts, lengths,
+        texts; correct (groups, G), by which DAPO filters: all right or all wrong carries no signal)."""
+        args, model, world = self.args, self.model, self.world
+        items = self.stream.take(args.prompts)
+        G, (lo, hi) = args.group_size, ddp.shard(len(items), world)
+        per_row = torch.zeros(4, len(items) * G)  # correct, format, overlong, length of each row; ours filled
+        ro = texts = None
+        if hi > lo:
+            model.eval()
+            gen_device = model.device if model.device.type == "cuda" else "cpu"
+            with torch.no_grad(), aqn.noise(model, sigma, torch.Generator(gen_device).manual_seed(noise_seed)):
+                # (keyed as rows lo*G... of the one-process call: the same samples on any number of ranks)
+                ro = rollout.generate(model, [self.encode(it) for it in items[lo:hi]], n=G,
+                                      max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                      top_p=args.top_p, stop_ids=self.stop_ids,
+                                      seed=ddp.shift_seed(args.seed * 7919 + step * 31 + round_, lo * G))
+            texts = ro.texts(self.tokenizer)
+            parts = [tasks.reward(self.kind, t, items[lo + i // G]["answer"], strict=args.reward == "strict",
+                                  signed=args.signed_reward, format_weight=args.format_reward, prompt=args.prompt)[1]
+                     for i, t in enumerate(texts)]
+            per_row[0, lo * G:hi * G] = torch.tensor([p["correct"] for p in parts])
+            per_row[1, lo * G:hi * G] = torch.tensor([p["format"] for p in parts])
+            # (buffer 0: the hard rule, zero up to max_new_tokens, which rollouts never pass)
+            per_row[2, lo * G:hi * G] = dapo.overlong_penalty(ro.lengths.cpu(), args.max_new_tokens,
+                                                              args.overlong_buffer, dtype=torch.float32)
+            per_row[3, lo * G:hi * G] = ro.lengths.cpu().float()
+        correct, fmt, over, lengths = ddp.gather_rows(per_row, world, model.device).view(4, len(items), G)
+        sampled_tokens.append(int(lengths.sum()))
+        total = correct + fmt + over  # (groups, G)
+        ours = lambda g: lo <= g < hi
+        groups = [dict(item=items[g], rollout=ro if ours(g) else None, rows=list(range((g - lo) * G, (g - lo + 1) * G)),
+                       reward=total[g], correct=correct[g], format=fmt[g], overlong=over[g], lengths=lengths[g],
+                       texts=texts[(g - lo) * G:(g - lo + 1) * G] if ours(g) else None) for g in range(len(items))]
+        return groups, correct
+
+
+def describe(args, model, norms, n_train, schedule, n_train_items, n_eval_items, world, device, out):
+    """The start-up lines: the model and its weights, the step's shape and the optimizer, the data, the ranks."""
+    weight_gb = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())) / 1e9
+    kernels = f"; fp4 matmuls: {'Triton kernels' if device.type == 'cuda' else 'torch dequantize + matmul'}" \
+        if args.quant == "nvfp4" else ""
+    print(f"model {args.model} ({model.config}) base={args.quant} on {device} ({weight_gb:.3f} GB of weights{kernels}), "
+          f"LoRA r={args.lora_rank}{f' + {len(norms)} norms' if norms else ''}: {n_train / 1e6:.2f}M trainable parameters")
+    print(f"{args.algo}: {args.steps} steps x {args.prompts} prompts x G={args.group_size} = "
+          f"{args.prompts * args.group_size} completions/step, <= {args.max_new_tokens} new tokens each; "
+          f"lr {args.lr:g} (AdamW beta2 {args.adam_beta2}, wd {args.weight_decay}, {args.warmup_steps} warm-up steps, "
+          f"clip {args.grad_clip}), eps {args.eps_low}/{args.eps_high}, beta {args.beta}, ratio {args.ratio}"
+          f"{f' (cap {args.tis_cap:g})' if args.ratio == 'tis' else ''}, truncated {'masked' if args.mask_truncated else 'kept'}, AQN "
+          f"{'off' if args.no_aqn else schedule}; data {args.data} ({n_train_items} train, {n_eval_items} held-out)")
+    if world.size > 1:
+        print(f"data-parallel: {world.size} ranks ({'NCCL' if device.type == 'cuda' else 'gloo'}), each sampling and "
+              f"training about {args.prompts / world.size:g} of the {args.prompts} prompts a round; gradients summed "
+              f"over the ranks (ddp.py)")
+    print(f"outputs in {out}")
+
+
+def step_metrics(step, sigma, stage, rounds, filtered, groups, rewards, lr):
+    """A step's sampling metrics: its AQN sigma and stage, dynamic sampling's rounds and filtered groups, and
+    the kept groups' mean reward (rewards (groups, G)), its parts and the rollout accuracy."""
+    m = {"step": step, "sigma": sigma, "aqn_stage": stage, "rounds": rounds, "filtered_groups": filtered,
+         "groups": len(groups), "lr": lr}
+    if groups:
+        correct = torch.stack([g["correct"] for g in groups])
+        m.update(reward=rewards.mean().item(), reward_correct=correct.mean().item(),
+                 reward_format=torch.stack([g["format"] for g in groups]).mean().item(),
+                 reward_overlong=torch.stack([g["overlong"] for g in groups]).mean().item(),
+                 accuracy=(correct > 0).float().mean().item())
+    return m
+
+
+def write_step(m, groups, texts, metrics_path, samples_path, log_samples):
+    """Append the step's metrics line, and its first `log_samples` groups' first completions (texts: their
+    texts, by group index, from the ranks that sampled them) to samples.jsonl."""
+    with open(metrics_path, "a") as f:
+        f.write(json.dumps(m) + "\n")
+    with open(samples_path, "a") as f:
+        for i, g in enumerate(groups[:log_samples]):
+            f.write(json.dumps({"step": m["step"], "question": g["item"]["question"], "gold": g["item"]["answer"],
+                                "completion": texts[i], "correct": float(g["correct"][0])}) + "\n")
+
+
 def main(argv=None):
     args = resume_args(argv) if parse_args(argv).resume else parse_args(argv)
     if not args.resume:
@@ -930,24 +1126,25 @@ def main(argv=None):
     world, device = ddp.init(device)
     if world.size > 1:
         args.run_id = getattr(args, "run_id", None) if args.resume else ddp.broadcast(args.run_id, world)
-        if not args.resume:
-            args.out = ddp.broadcast(args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")), world)
         if not world.main:
             sys.stdout = open(os.devnull, "w")  # (stderr stays: errors and warnings of every rank show)
+    if not args.resume:
+        args.out = ddp.broadcast(args.out or default_out(args.run_id), world)
     torch.manual_seed(args.seed)
 
     # The model's folder, the data, a resumed run's checkpoint and the output folder first: any of them
     # missing or malformed stops here, with what to do, before minutes of loading.
     with stop_on_bad_input("train.py"):
         model_dir = read_config(args.model)[0]
-        train_items = tasks.load_dataset(args.data, split="train" if not args.data.endswith(".jsonl") else "test")
+        train_items = tasks.load_dataset(args.data, split="train")  # (a file has no splits: all of it)
         eval_items = tasks.load_dataset(args.eval_data, split="test", limit=args.eval_limit)
         if not train_items:
             raise ValueError(f"{args.data} holds no problems")
         ckpt = state = None
         if args.resume:
             ckpt, state = load_checkpoint(args.resume, getattr(args, "run_id", None))
-            finished = os.path.exists(os.path.join(args.resume, "summary.json"))
+            # (finished: its summary is of a run that ended at the checkpoint's step, not a shorter one's)
+            finished = summary_steps(args.resume) == state["step"]
             if state["step"] >= args.steps and (finished or state["step"] > args.steps):
                 raise ValueError(f"--resume {args.resume}: the run has done {state['step']} steps; pass a larger "
                                  f"--steps with --resume to extend it")
@@ -968,39 +1165,9 @@ def main(argv=None):
     params = params + norms  # (the gradient-norm clip covers both, as the official Trainer's does)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args))
     schedule = aqn.AQNSchedule(args.schedule_steps, args.aqn_stages, args.sigma_start, args.sigma_end)
-    stop_ids = stop_token_ids(tokenizer)
-    prompt_ids = {}
-
-    def encode(item):
-        q = item["question"]
-        if q not in prompt_ids:
-            prompt_ids[q] = tasks.get_task(kind, args.prompt).prompt_ids(tokenizer, q)
-        return prompt_ids[q]
-
-    def heldout(step):
-        model.eval()
-        kw = dict(samples=args.eval_samples, temperature=args.eval_temperature, top_p=args.eval_top_p,
-                  max_new_tokens=args.eval_max_new_tokens, prompt=args.prompt)
-        seed = args.seed + 1_000_003
-        if world.size == 1:
-            res = evaluate(model, tokenizer, eval_items, kind, seed=seed, **kw)
-            strict[step] = res.get("accuracy_strict")  # (the strict grader's, next to the lenient one returned)
-            return res["accuracy"]
-        # Sharded: evaluate samples its batch b with seed + b; each rank runs some batches with those seeds, so
-        # the counts are the single-process ones (ddp.map_batches).
-        per_batch = max(1, EVAL_BATCH[device.type == "cuda"] // args.eval_samples)
-
-        def right(b, start, end):
-            recs = evaluate(model, tokenizer, eval_items[start:end], kind, seed=seed + b,
-                            batch_size=per_batch * args.eval_samples, **kw)["records"]
-            return sum(r["correct"] for r in recs), sum(r["correct_strict"] for r in recs)
-
-        counts = ddp.map_batches(len(eval_items), per_batch, right, world)
-        n = len(eval_items) * args.eval_samples
-        strict[step] = sum(c[1] for c in counts) / n
-        return sum(c[0] for c in counts) / n
-
-    strict = {}
+    encode = PromptEncoder(tokenizer, kind, args.prompt)
+    heldout = functools.partial(heldout_accuracy, args, model, tokenizer, eval_items, kind, world)
+    strict = {}  # step -> the strict grader's held-out accuracy, next to the lenient one logged
 
     step, stream, baseline, rows = 0, PromptStream(train_items, args.seed), None, []
     metrics_path, samples_path = os.path.join(out, "metrics.jsonl"), os.path.join(out, "samples.jsonl")
@@ -1032,25 +1199,12 @@ def main(argv=None):
         hub.write_json(os.path.join(out, "args.json"), saved)
     tracker = Tracker(args.log if world.main else None, out, args)
     ddp.same_everywhere(params, world)  # (the same seed and checkpoint: the same parameters on every rank)
+    sampler = Sampler(args, model, tokenizer, stream, encode, kind, world)
 
-    n_train = sum(p.numel() for p in params)
-    weight_gb = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())) / 1e9
-    print(f"model {args.model} ({model.config}) base={args.quant} on {device} ({weight_gb:.3f} GB of weights; "
-          f"fp4 matmuls: {'Triton kernels' if device.type == 'cuda' else 'torch dequantize + matmul'}), "
-          f"LoRA r={args.lora_rank}{f' + {len(norms)} norms' if norms else ''}: {n_train / 1e6:.2f}M trainable parameters")
-    print(f"{args.algo}: {args.steps} steps x {args.prompts} prompts x G={args.group_size} = "
-          f"{args.prompts * args.group_size} completions/step, <= {args.max_new_tokens} new tokens each; "
-          f"lr {args.lr:g} (AdamW beta2 {args.adam_beta2}, wd {args.weight_decay}, {args.warmup_steps} warm-up steps, "
-          f"clip {args.grad_clip}), eps {args.eps_low}/{args.eps_high}, beta {args.beta}, ratio {args.ratio}"
-          f"{f' (cap {args.tis_cap:g})' if args.ratio == 'tis' else ''}, truncated {'masked' if args.mask_truncated else 'kept'}, AQN "
-          f"{'off' if args.no_aqn else schedule}; data {args.data} ({len(train_items)} train, {len(eval_items)} held-out)")
-    if world.size > 1:
-        print(f"data-parallel: {world.size} ranks ({'NCCL' if device.type == 'cuda' else 'gloo'}), each sampling and "
-              f"training about {args.prompts / world.size:g} of the {args.prompts} prompts a round; gradients summed "
-              f"over the ranks (ddp.py)")
-    print(f"outputs in {out}")
+    describe(args, model, norms, sum(p.numel() for p in params), schedule, len(train_items), len(eval_items), world,
+             device, out)
     if baseline is None:
-        baseline = heldout(0)
+        baseline, strict[0] = heldout()
         print(f"held-out accuracy before training: {baseline:.3f}")
 
     bar = tqdm(total=args.steps, initial=step, desc="RL", unit="step", dynamic_ncols=True, disable=not world.main)
@@ -1060,43 +1214,7 @@ def main(argv=None):
         noise_seed = args.seed * 1_000_003 + step
         gen_device = device if device.type == "cuda" else "cpu"
         sampled_tokens = []  # every round's, kept or filtered: what the rollout time was spent on
-
-        def sample(round_):
-            # Every rank takes the round's global prompts and samples its block of them, [lo, hi) (all of them
-            # in one process); then every rank learns every group's rewards (ddp.gather_rows), so that dynamic
-            # sampling, the advantages and the logged means are the global batch's.
-            items = stream.take(args.prompts)
-            G, (lo, hi) = args.group_size, ddp.shard(len(items), world)
-            per_row = torch.zeros(4, len(items) * G)  # correct, format, overlong, length of each row; ours filled
-            ro = texts = None
-            if hi > lo:
-                model.eval()
-                with torch.no_grad(), aqn.noise(model, sigma, torch.Generator(gen_device).manual_seed(noise_seed)):
-                    # (keyed as rows lo*G... of the one-process call: the same samples on any number of ranks)
-                    ro = rollout.generate(model, [encode(it) for it in items[lo:hi]], n=G,
-                                          max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                          top_p=args.top_p, stop_ids=stop_ids,
-                                          seed=ddp.shift_seed(args.seed * 7919 + step * 31 + round_, lo * G))
-                texts = ro.texts(tokenizer)
-                parts = [tasks.reward(kind, t, items[lo + i // G]["answer"], strict=args.reward == "strict",
-                                      signed=args.signed_reward, format_weight=args.format_reward, prompt=args.prompt)[1]
-                         for i, t in enumerate(texts)]
-                per_row[0, lo * G:hi * G] = torch.tensor([p["correct"] for p in parts])
-                per_row[1, lo * G:hi * G] = torch.tensor([p["format"] for p in parts])
-                # (buffer 0: the hard rule, zero up to max_new_tokens, which rollouts never pass)
-                per_row[2, lo * G:hi * G] = dapo.overlong_penalty(ro.lengths.cpu(), args.max_new_tokens,
-                                                                  args.overlong_buffer, dtype=torch.float32)
-                per_row[3, lo * G:hi * G] = ro.lengths.cpu().float()
-            correct, fmt, over, lengths = ddp.gather_rows(per_row, world, device).view(4, len(items), G)
-            sampled_tokens.append(int(lengths.sum()))
-            total = correct + fmt + over  # (groups, G)
-            ours = lambda g: lo <= g < hi
-            groups = [dict(item=items[g], rollout=ro if ours(g) else None, rows=list(range((g - lo) * G, (g - lo + 1) * G)),
-                           reward=total[g], correct=correct[g], format=fmt[g], overlong=over[g], lengths=lengths[g],
-                           texts=texts[(g - lo) * G:(g - lo + 1) * G] if ours(g) else None) for g in range(len(items))]
-            # DAPO filters groups by correctness alone: all right or all wrong carries no signal.
-            return groups, correct
-
+        sample = functools.partial(sampler.round, step, sigma, noise_seed, sampled_tokens)
         if args.algo == "dapo" and not args.no_dynamic_sampling:
             groups, _, report = dapo.collect_informative(sample, args.prompts, args.max_sampling_rounds)
             filtered, rounds = report.groups_filtered, report.rounds
@@ -1109,14 +1227,7 @@ def main(argv=None):
         rewards = torch.stack([g["reward"] for g in groups]) if groups else None  # (groups, G)
         t_rollout = time.time() - t0
 
-        m = {"step": step, "sigma": sigma, "aqn_stage": schedule.stage(step), "rounds": rounds,
-             "filtered_groups": filtered, "groups": len(groups), "lr": scheduler.get_last_lr()[0]}
-        if groups:
-            correct = torch.stack([g["correct"] for g in groups])
-            m.update(reward=rewards.mean().item(), reward_correct=correct.mean().item(),
-                     reward_format=torch.stack([g["format"] for g in groups]).mean().item(),
-                     reward_overlong=torch.stack([g["overlong"] for g in groups]).mean().item(),
-                     accuracy=(correct > 0).float().mean().item())
+        m = step_metrics(step, sigma, schedule.stage(step), rounds, filtered, groups, rewards, scheduler.get_last_lr()[0])
         update_metrics = update(args, model, optimizer, params, groups, rewards, encode, sigma, noise_seed, gen_device,
                                 world) if groups else {}
         # The schedule counts steps, updated or skipped (no informative groups, a NaN): torch warns when it
@@ -1132,8 +1243,7 @@ def main(argv=None):
                  rollout_tokens_per_s=sum(sampled_tokens) / max(t_rollout, 1e-9),
                  peak_memory_gb=(torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else peak_rss_gb()))
         if args.eval_every and step % args.eval_every == 0 and step < args.steps:
-            m["heldout_accuracy"] = heldout(step)
-            m["heldout_accuracy_strict"] = strict[step]
+            m["heldout_accuracy"], m["heldout_accuracy_strict"] = heldout()
         ddp.same_everywhere(params, world)
         # The texts of the groups logged to samples.jsonl, from the ranks that sampled them.
         logged = ddp.union({i: g["texts"][0] for i, g in enumerate(groups[: args.log_samples]) if g["texts"]}, world)
@@ -1141,12 +1251,7 @@ def main(argv=None):
             bar.update(1)
             continue
         rows.append(m)
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(m) + "\n")
-        with open(samples_path, "a") as f:
-            for i, g in enumerate(groups[: args.log_samples]):
-                f.write(json.dumps({"step": step - 1, "question": g["item"]["question"], "gold": g["item"]["answer"],
-                                    "completion": logged[i], "correct": float(g["correct"][0])}) + "\n")
+        write_step(m, groups, logged, metrics_path, samples_path, args.log_samples)
         tqdm.write(format_line(m))
         tracker.log(m, step - 1)
         wall.update()
@@ -1162,7 +1267,7 @@ def main(argv=None):
                                                                "run_id": getattr(args, "run_id", None)})
     bar.close()
 
-    final = heldout(args.steps)
+    final, strict[args.steps] = heldout()
     if not world.main:
         ddp.shutdown(world)
         return None
@@ -1185,10 +1290,6 @@ def main(argv=None):
     print(f"wrote {out}/metrics.jsonl, summary.json, samples.jsonl, curves.png, adapter/")
     ddp.shutdown(world)
     return summary
-
-
-# evaluate's default completions a generate call (CPU, GPU): the sharded held-out evaluation keeps its batches
-EVAL_BATCH = (256, 64)
 
 
 def peak_rss_gb():

@@ -223,7 +223,7 @@ def test_out_is_refused_with_every_file_intact(prog, hf_folder, tmp_path, monkey
     assert tree(dst) == first
 
     def broken(*a, **k):
-        raise RuntimeError("disk full")
+        raise OSError(28, "disk full")  # (ENOSPC, as a full disk raises it)
 
     monkeypatch.setattr("safetensors.torch.save_file", broken)
     monkeypatch.setattr(nvfp4, "save_file", broken)
@@ -237,11 +237,13 @@ def test_out_is_refused_with_every_file_intact(prog, hf_folder, tmp_path, monkey
 
 
 def test_default_outputs_do_not_overwrite_others():
-    """eval.py's default folder names the adapter (the base's results and an adapter's stay apart);
+    """eval.py's default folder names the adapter and the quantization (the base's results and an adapter's,
+    NVFP4's and bf16's, stay apart);
     tiny.py's default is not the bundled model."""
     base = ev.default_out(ev.parse_args(["--data", "gsm8k"]))
     adapted = ev.default_out(ev.parse_args(["--data", "gsm8k", "--adapter", "runs/x/adapter"]))
     other = ev.default_out(ev.parse_args(["--data", "gsm8k", "--adapter", "runs/y/adapter"]))
-    assert base == os.path.join("runs", "eval", "tiny-gsm8k") and len({base, adapted, other}) == 3
+    bf16 = ev.default_out(ev.parse_args(["--data", "gsm8k", "--quant", "bf16"]))
+    assert base == os.path.join("runs", "eval", "tiny-nvfp4-gsm8k-test") and len({base, adapted, other, bf16}) == 4
     assert "x_adapter" in adapted
     assert os.path.realpath(tiny.parse_args([]).out) != os.path.realpath(hub.ALIASES["tiny"])

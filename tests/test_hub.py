@@ -21,6 +21,41 @@ def test_offline_hub_id_says_what_to_do(monkeypatch):
         hub.resolve_model_dir("qwen2.5-7b")
 
 
+def test_a_mistyped_local_path_says_there_is_no_folder_there(monkeypatch, tmp_path):
+    """`--model models/qwen7b` (one slash, no such folder) is tried as a hub id, and when that fails the
+    error says both: no local folder there, and no hub id. An alias's hub id does not claim a local path."""
+    import huggingface_hub
+
+    def offline(*args, **kwargs):
+        raise OSError("network unreachable")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(hub.DownloadError, match="^no local folder at 'models/qwen7b', and could not download hub id "
+                                                "'models/qwen7b' from the Hugging Face hub"):
+        hub.resolve_model_dir("models/qwen7b")
+    with pytest.raises(hub.DownloadError) as e:
+        hub.resolve_model_dir("qwen2.5-7b")
+    assert str(e.value).startswith("could not download hub id 'Qwen/Qwen2.5-7B-Instruct'")
+    assert isinstance(e.value, RuntimeError)  # (what callers caught before it had a class of its own)
+
+
+def test_stop_on_bad_input_stops_on_bad_input_only():
+    """Bad input (a missing file, a malformed one, a model that cannot be fetched, an unreadable path) ends
+    in one line `prog: message`; any other RuntimeError is a bug or a failure of the machine, and keeps
+    its traceback."""
+    for error, line in ((FileNotFoundError("no file x"), "p.py: no file x"), (ValueError("bad x"), "p.py: bad x"),
+                        (KeyError("no key x"), "p.py: no key x"), (hub.DownloadError("offline"), "p.py: offline"),
+                        (PermissionError(13, "Permission denied", "/x"), "p.py: /x: Permission denied")):
+        with pytest.raises(SystemExit) as e:
+            with hub.stop_on_bad_input("p.py"):
+                raise error
+        assert e.value.code == line
+    with pytest.raises(RuntimeError, match="a bug"):
+        with hub.stop_on_bad_input("p.py"):
+            raise RuntimeError("a bug")
+
+
 def test_stop_token_ids_of_the_bundled_tokenizer():
     """The ids that end a turn (eval, train and rollout's chat share them): eos and Qwen's <|im_end|> /
     <|endoftext|>, each once; a new eos joins them."""

@@ -147,3 +147,78 @@ def test_training_learns_and_is_reproducible(tmp_path):
                                        "--eval-samples", "3", "--device", "cpu"]))
     assert set(again["final"]["nvfp4"]) == {"greedy", "pass@1_t1", "pass@3_t1", "seconds"}
     assert "pass@3 (T=1)" in (tmp_path / "a" / "README.md").read_text()
+
+
+SMALL = ["--steps", "2", "--batch-size", "4", "--train-size", "50", "--vocab-size", "320", "--hidden", "32",
+         "--intermediate", "48", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--eval-every", "0",
+         "--eval-size", "2", "--eval-samples", "2", "--device", "cpu", "--seed", "1"]
+
+
+def fake_measure(out, held, samples, device):
+    return {q: {"greedy": 0.5, "pass@1_t1": 0.25, f"pass@{samples}_t1": 0.5, "seconds": 0.0} for q in ("bf16", "nvfp4")}
+
+
+def test_a_failure_midway_leaves_the_folder_as_it_was(tmp_path, monkeypatch):
+    """`--out FOLDER --force` over a checkpoint tiny.py did not mark (the bundled one is such): the new one is
+    built beside it and renamed into place at the end, so a failure after training leaves the old files,
+    and no temporary folder; on success the folder is replaced, and its recorded command keeps --force,
+    which that folder needs."""
+    import hub
+
+    out = tmp_path / "bundled"
+    out.mkdir()
+    (out / "model.safetensors").write_text("the old weights")
+
+    def broken(*a, **k):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(tiny, "measure", broken)  # (after the training and the save)
+    with pytest.raises(RuntimeError, match="boom"):
+        tiny.main(tiny.parse_args(SMALL + ["--out", str(out), "--force"]))
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    assert (out / "model.safetensors").read_text() == "the old weights"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bundled"]
+    monkeypatch.setattr(tiny, "measure", fake_measure)
+    meta = tiny.main(tiny.parse_args(SMALL + ["--out", str(out), "--force"]))
+    assert meta["command"].endswith(f"--out {out} --seed 1 " + " ".join(SMALL[:-4]) + " --force")
+    assert hub.written_by(str(out)) == "tiny.py" and (out / "model.safetensors").stat().st_size > 1000
+    assert f"    {meta['command']}\n" in (out / "README.md").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bundled"]
+    new = tmp_path / "new"  # (a new folder needs no --force, and its command says none)
+    assert not tiny.main(tiny.parse_args(SMALL + ["--out", str(new)]))["command"].endswith("--force")
+
+
+def test_the_bundled_command_runs_as_written():
+    """The command assets/tiny records passes tiny.py's checks on the bundled folder as it is (which
+    tiny.py did not mark): it keeps --force."""
+    import hub
+
+    meta = json.loads((TINY / "training.json").read_text())
+    assert f"    {meta['command']}\n" in (TINY / "README.md").read_text()
+    argv = meta["command"].split()[2:]
+    assert argv[:2] == ["--out", "assets/tiny"] and hub.written_by(str(TINY)) is None
+    args = tiny.parse_args(argv)
+    assert hub.check_out(str(ROOT / args.out), "tiny.py", force=args.force) == "forced"
+
+
+def test_bad_values_stop_before_any_folder_is_written(tmp_path, capsys):
+    """Values the architecture or the schedule cannot take, and --report-only on a folder with no
+    checkpoint, stop with a message (not a ZeroDivisionError, an AssertionError or a traceback), before a
+    folder is written."""
+    out = tmp_path / "out"
+    for argv, message in ((["--warmup", "0"], "--warmup 0: must be >= 1"),
+                          (["--heads", "3"], "--heads 3 must divide --hidden 128"),
+                          (["--heads", "4", "--kv-heads", "3"], "--kv-heads 3 must divide --heads 4"),
+                          (["--hidden", "96", "--heads", "12", "--kv-heads", "1"],
+                           "head dim x --kv-heads (the k/v projections' width) = 8 must be a multiple of 16"),
+                          (["--hidden", "72", "--heads", "2", "--kv-heads", "1"], "--hidden = 72 must be a multiple of 16")):
+        with pytest.raises(SystemExit):
+            tiny.main(tiny.parse_args(argv + ["--out", str(out)]))
+        err = capsys.readouterr().err
+        assert "error:" in err and message in err, err
+    with pytest.raises(SystemExit):  # (96 / 6 = 16 a head: valid attention, its MLP not)
+        tiny.parse_args(["--hidden", "96", "--heads", "6", "--kv-heads", "1", "--intermediate", "40"])
+    assert "--intermediate = 40 must be a multiple of 16" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match=f"tiny.py: --report-only .* {out} has no training.json"):
+        tiny.main(tiny.parse_args(["--report-only", "--out", str(out)]))
+    assert not out.exists()
