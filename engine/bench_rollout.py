@@ -21,6 +21,7 @@ import triton
 import fp4_gemm
 import lora
 import rollout
+from engine.bench_gemm import _copy_bandwidth
 from engine.decode import generate
 from model import Transformer, qwen25_config
 from rollout import release
@@ -192,8 +193,9 @@ def _profile(model, batch, prompt_len, steps=4):
 
 
 def bench(args):
-    """The issue's table: Qwen2.5-7B shape (random weights), prompt 256, 512 new tokens forced,
-    NVFP4 + LoRA r32 (unmerged) vs bf16 + the same LoRA, batch 1/8/64; then 32B NVFP4 batch 1."""
+    """The table of results/rollout_h200.md: Qwen2.5-7B shape (random weights), prompt 256, 512 new tokens
+    forced, NVFP4 + LoRA r32 (unmerged) vs bf16 + the same LoRA, batch 1/8/64; then 32B NVFP4 batch 1. The
+    floor a step is set against is its weight bytes over this card's copy bandwidth, measured here."""
     import aqn
 
     if not torch.cuda.is_available():
@@ -202,6 +204,8 @@ def bench(args):
     props = torch.cuda.get_device_properties(dev)
     print(f"# {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, "
           f"triton {triton.__version__}")
+    copy_tb_s = _copy_bandwidth()  # (before any model: it needs 2 GiB of the GPU for a moment)
+    print(f"# device copy bandwidth {copy_tb_s:.2f} TB/s (read + write)", flush=True)
     print(f"# prompt {args.prompt_len} tokens, {args.new_tokens} new tokens forced, LoRA rank {args.rank} "
           f"unmerged on q,k,v,o,gate,up,down, AQN sigma {args.aqn_sigma:g} on the decoder norms", flush=True)
     rows, notes = [], []
@@ -214,11 +218,12 @@ def bench(args):
         _add_lora(model, args.rank)
         torch.cuda.synchronize()
         step_gb = _step_bytes(model) / 1e9
-        floor = step_gb / 4.24  # ms: GB / (TB/s)
+        floor = step_gb / copy_tb_s  # ms: GB / (TB/s)
         print(f"# built {size} {quant} + LoRA in {time.perf_counter() - t0:.1f} s, "
               f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB; a step reads >= {step_gb:.2f} GB "
-              f"of weights: floor {floor:.2f} ms at 4.24 TB/s", flush=True)
-        notes.append(f"{size} {quant}: weights read per step {step_gb:.2f} GB, floor {floor:.2f} ms/step")
+              f"of weights: floor {floor:.2f} ms at {copy_tb_s:.2f} TB/s", flush=True)
+        notes.append(f"{size} {quant}: weights read per step {step_gb:.2f} GB, floor {floor:.2f} ms/step at "
+                     f"{copy_tb_s:.2f} TB/s")
         runs = [(b, {}) for b in (args.batches if size == "7b" else [1])]
         if args.variants and (size, quant) == ("7b", "nvfp4"):
             runs += [(1, dict(graphs=False)), (1, dict(kernels="torch")), (64, dict(kernels="torch"))]

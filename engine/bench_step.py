@@ -79,6 +79,8 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if any(m not in MODES for m in a.modes.split(",")):
         p.error(f"--modes {a.modes}: each one of {', '.join(MODES)}, separated by commas")
+    if a.steps < 1:  # (the warm-up step is not timed: with none timed there is nothing to report)
+        p.error(f"--steps {a.steps}: at least 1 timed step")
     return a
 
 
@@ -174,8 +176,9 @@ def run_mode(a, mode, device, cfg):
     t0 = time.time()
     model = Transformer.from_random(cfg, dtype=torch.bfloat16, device=device, quantize=mode.startswith("nvfp4"))
     params = lora.apply_lora(model, rank=a.lora_rank, alpha=a.lora_rank)
-    for p in params:  # nonzero B, as after some training, so the adapters do real work
-        p.data.normal_(0, 1e-3)
+    # nonzero B (apply_lora returns A0, B0, A1, B1, ...), as after some training, so the adapters do real work
+    for b in params[1::2]:
+        b.data.normal_(0, 1e-3)
     model.compile_blocks = train.compile_backend(device, a.no_compile)
     optimizer = torch.optim.AdamW(params, lr=1e-5)
     build_s = time.time() - t0

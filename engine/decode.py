@@ -1,4 +1,4 @@
-"""The decode engine: rollout.generate at the memory-bandwidth floor on a CUDA GPU.
+"""The decode engine: rollout.generate on a CUDA GPU, pushed toward the memory-bandwidth floor.
 
 Speeds up: rollout.py's sampler (`rollout.sample`), which it computes exactly: the same cache layout
 (left-padded prompts, every row at the same column), the same prefill of each distinct prompt once,
@@ -19,12 +19,13 @@ loop:
   small ops between the GEMMs fused into Triton kernels (engine/decode_kernels.py): residual add +
   RMSNorm, LoRA B + rotary embedding + K/V write, LoRA B + SiLU·up, LoRA B of o and down in place.
 - Attention reads only the columns present (split-K over chunks that follow the current column, then a
-  combine); a finished row reads nothing; a group's shared prompt is read once from its first row for
-  all its samples (SHARED_HEADS query heads a program).
+  combine); a finished row reads none of its own columns; a group's shared prompt is read once, from its
+  first row, for all its samples (SHARED_HEADS query heads a program), whether or not they have finished.
 - The sampler runs in the graph (split over the vocabulary, then a merge), with the row bookkeeping.
 - Programmatic dependent launch (engine/pdl.py) overlaps each kernel's launch with the one before;
   the ops before a warp-specialized wgmma GEMM store x in its K order (engine/korder.py); LoRA A
-  products ride in the mma GEMM's launch or run on a second stream (engine/side.py).
+  products ride in the mma GEMM's launch (engine/side.py) or run beside the GEMM on a second stream
+  (Decoder.gemm).
 - As rows finish, the live ones move into a state of half the rows or fewer, with its own graph
   (Decoder.shrink); a row keeps its row key and so its draws.
 - A short prefill replays a CUDA graph per (prompts, padded length) shape (PREFILL_GRAPH_TOKENS).
@@ -62,10 +63,10 @@ from model import apply_rope
 # registers; results/rollout_h200.md)
 SHARED_HEADS = 32
 # A prefill of at most this many prompt tokens (prompts x padded length) is bound by the host, or its time
-# swings with the host's (one eager 256-token prompt: 66-116 ms for ~11 ms of GPU work on the H200; eight:
-# 60-104 ms for 55), so on the GPU it runs as a CUDA graph, one per (prompts, length) shape; its length is
-# rounded up to a multiple of PREFILL_BUCKET so that prompts of nearby lengths share a graph. Larger
-# prefills keep the GPU busy eagerly. 0: always eager.
+# swings with the host's (eagerly, a short prefill takes several times its GPU work: results/rollout_h200.md),
+# so on the GPU it runs as a CUDA graph, one per (prompts, length) shape; its length is rounded up to a
+# multiple of PREFILL_BUCKET so that prompts of nearby lengths share a graph. Larger prefills keep the GPU
+# busy eagerly. 0: always eager.
 PREFILL_GRAPH_TOKENS = 2048
 PREFILL_BUCKET = 64
 # An eager prefill runs this many prompt tokens at a time at most (whole prompts), so that its activations
@@ -97,8 +98,9 @@ def _pow2(x):
 
 def _attn_per_sm(stages, D, itemsize):
     """Programs of _attn_partial_kernel an SM holds at `stages` pipeline stages: Triton keeps stages - 1
-    blocks of 64 columns of K and of V in shared memory, plus ~6 KB (the compiled kernel's size, measured:
-    results/rollout_h200.md), and an SM has 228 KB: at D = 128 in bf16, 5, 3 or 2 programs."""
+    blocks of 64 columns of K and of V in shared memory, plus ~6 KB of its own (read off the compiled
+    kernel: results/rollout_h200.md), and the GPU reserves 1 KB for every block; 8 KB a program covers
+    both with some margin. An SM has 228 KB: at D = 128 in bf16, 5, 3 or 2 programs."""
     return 228 * 1024 // ((stages - 1) * 2 * 64 * D * itemsize + 8 * 1024)
 
 
@@ -304,8 +306,9 @@ class _PrefillCache:
         P, Hq, Lp, D = q.shape
         first = self.rows(P)[1]
         k, v = self.st.k[layer, first, :, :Lp], self.st.v[layer, first, :, :Lp]  # (P, Hkv, Lp, D)
-        # (on the H200, 64 prompts of 256 tokens, 7B heads, us: 263 with enable_gqa, 520 with K/V expanded to
-        # every query head first; SDPA's output keeps q's (P, Lp, Hq, D) layout, so the reshape is a view)
+        # (enable_gqa: SDPA reads the kv heads as they are, faster than with K/V expanded to every query head
+        # first: results/rollout_h200.md; SDPA's output keeps q's (P, Lp, Hq, D) layout, so the reshape is a
+        # view)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, enable_gqa=True)  # (P, Hq, Lp, D)
         return out.transpose(1, 2).reshape(P * Lp, Hq * D)
 
@@ -352,9 +355,9 @@ class Decoder:
 
     def x_orders(self, layer, N):
         """For N rows, per group of a layer (q|k|v, o, gate|up, down): how the op before the group's GEMM
-        stores x for it, (k_step, rows) (x_k_order: for the warp-specialized wgmma kernel, 33-256
-        rows on Hopper, in the K order of its k-steps, as the first N rows of a buffer of `rows`), or
-        NATURAL (x as it is)."""
+        stores x for it, (k_step, rows) (x_k_order: for the warp-specialized wgmma kernel, at the rows
+        engine/plan.py's plan_forward gives it, in the K order of its k-steps, as the first N rows of a
+        buffer of `rows`), or NATURAL (x as it is)."""
         if not (self.triton and self.device.type == "cuda"):
             return (NATURAL,) * len(layer.groups)
         return tuple(x_k_order(N, g.gemm.q, self.dtype, self.device)
@@ -698,9 +701,8 @@ class Decoder:
         model's forward (Transformer.hidden) through the decode step's ops (q|k|v and gate|up one GEMM each,
         the LoRA adapters side by side; the residual add fused with the norm, the rotary embedding with the
         cache write), which cost half as many launches and host calls as the model's seven linears and their
-        adapters and fewer passes over the activations (8-64 prompts of 256 tokens, 7B on the H200: 11-13%
-        less time than with the model's norms, adds and rotary embedding); `cache` attends over the prompts
-        and keeps their K/V."""
+        adapters and fewer passes over the activations (the times of both ways: results/rollout_h200.md,
+        results/bench_h200.md); `cache` attends over the prompts and keeps their K/V."""
         m = self.model
         P, T = tokens.shape
         x, delta = m.embed_tokens(tokens).flatten(0, 1), None  # (P·T, H)

@@ -160,7 +160,9 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, pad_ptr, done_ptr, counters_ptr,
     the row's own cache columns [start, col] (start = max(pad_b, shared), C chunks of whole blocks of
     BLOCK_N, as even as that allows: they follow the current column, so every program has work from
     the first step to the last); writes its partial max, sum and weighted values to slot c of each
-    query head. Columns past the current one are never read; a finished row reads nothing.
+    query head. Columns past the current one are never read; a finished row reads none of its own
+    columns (its chunk is empty), but a program that reads a shared prompt (below) reads it whether or
+    not the rows it serves have finished.
 
     The N_GROUP rows of a group (the samples of one prompt; N_GROUP = 1: no groups) hold the same prompt
     in columns [pad, shared). Those are read from the group's first row, once for every ROWS rows: the

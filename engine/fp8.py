@@ -8,20 +8,20 @@ rate. Here each weight is written in E4M3 instead of bf16, x (in backward, dY) i
 by row, and torch._scaled_mm multiplies with one scale a row of each operand, accumulating in fp32.
 Tested against: float64 products of the same E4M3 operands, the Triton kernels against the torch forms
 here bit for bit under the interpreter, and the exact NVFP4 product within FP8's error
-(tests/engine/test_fp8.py). Measurements (products 1.2-1.5x faster than the bf16 path's, a 7B update 13% shorter
-where completions run long, none where they stop early): results/fp8_update.md.
+(tests/engine/test_fp8.py). Measurements (faster products, a shorter update where completions run long,
+none where they stop early): results/fp8_update.md.
 
 What it changes, and why it is an option: the trainer's logprobs move away from the sampler's, which
-decodes with the exact NVFP4 weights and 16-bit activations (the mismatch every step logs: ~80x the
-default path's on a 7B shape, 8x AQN's largest on the tiny model; results/fp8_update.md).
+decodes with the exact NVFP4 weights and 16-bit activations (the mismatch every step logs grows well
+past the default path's, and past what AQN's noise adds: results/fp8_update.md).
 - The weight, W = e2m1 · s / g (nvfp4.py): W8 = E4M3(e2m1 · s / 8) with r = 8 / g per output row, so
   that W = W8 · r wherever e2m1 · s fits in E4M3's 4 significant bits; where it needs 5 (e2m1 of 1.5,
   3 or 6 times a scale with its last mantissa bit set) it is rounded, by at most 2^-4 relative. The
   largest weight, 6 · 448 / g, becomes 336: in range. Values below 2^-6 (E4M3's subnormals: blocks whose
   largest weight is under ~1/2000 of the layer's) are kept in steps of 2^-9, so with fewer bits.
 - x: x8 = E4M3(x · 448 / amax), its row's amax / 448 as the row's scale. 4 significant bits where bf16
-  has 8: an error of up to 2^-4 relative an element. A 7B layer's product lands 3.4% from the exact
-  one (RMS), the bf16 path's 0.17%.
+  has 8: an error of up to 2^-4 relative an element, and so a product further from the exact one than
+  the bf16 path's (the errors of both at a 7B layer: results/fp8_update.md).
 - dX = dY · W = (dY · r) · W8: dY is multiplied by r column by column, then quantized like x; the weight
   is the same W8, which the dequant kernel writes transposed for this product (cuBLAS wants its second
   operand column-major).
@@ -97,8 +97,8 @@ def weight_e4m3(packed, scale_u8, gs, kernel=None, transpose=False):
     r = 8 / g. On the GPU the dequant kernel writes it (engine/plan.py, the bf16 path's kernel with an
     E4M3 store; kernel=True elsewhere too), else nvfp4's dequantize in float32 with 8 for g and torch's cast.
     transpose: W8 comes as a (N, K) view of a contiguous (K, N) W8^T (what dX's product wants), which the
-    kernel writes as such: torch's transposing copy of a 1-byte tensor took 5x the dequantization
-    (results/fp8_update.md)."""
+    kernel writes as such: torch's transposing copy of a 1-byte tensor took several times the
+    dequantization (results/fp8_update.md)."""
     import fp4_gemm  # (engine/plan.py imports this file)
     n = packed.shape[0]
     eight = torch.full((1,), 8.0, dtype=torch.float32, device=packed.device)

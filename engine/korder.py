@@ -5,8 +5,10 @@ pairs (k3, k7), (k2, k6), (k1, k5), (k0, k4) and uses them as wgmma's left opera
 must follow the same permutation of K (`wgmma_k_order`). `k_ordered` permutes x in one launch before
 the GEMM; a caller whose own kernel produces x (rollout's decode step) can store it permuted
 (`k_ordered_tile`) and call `fp4_linear_k_ordered`, which skips that launch (`x_k_order` says when).
-Tested against: torch indexing with `wgmma_k_order`, and fp4_gemm.fp4_linear on the natural order
-(tests/engine/test_korder.py). Measurements: results/rollout_h200.md, results/fp4_gemm_h200.md.
+Tested against: torch indexing with `wgmma_k_order` (tests/engine/test_korder.py, which also checks what
+fp4_linear_k_ordered refuses); on a GPU only end to end, the logprobs of a decode whose kernels store x
+in K order against the model's full forward (tests/engine/test_decode.py::test_gpu_nvfp4_lora_decode_in_bf16).
+Measurements: results/rollout_h200.md, results/fp4_gemm_h200.md.
 """
 import torch
 import triton
@@ -85,11 +87,12 @@ def _k_step_of(plan):
 
 def x_k_order(M, q, dtype, device):
     """For M rows of x in `dtype` against the NVFP4 weight q: (k_step, rows) where the plan's kernel is the
-    warp-specialized wgmma one (33-256 rows on Hopper), which reads x in the K order (wgmma_k_order) of
-    its k-steps and in whole tiles of rows; else (0, M). A caller whose own kernel produces x may store it
-    in that order (k_ordered_tile), as the first M rows of a buffer of `rows`, and call
-    fp4_linear_k_ordered, which then skips the K-order launch (rollout's decode step). The plain wgmma
-    kernel (2-32 rows) is not offered: there the decode step measured slower without the K-order launch
+    warp-specialized wgmma one (plan_forward says at which rows: on Hopper, from a few tens of rows of x,
+    its persistent stream-K form included), which reads x in the K order (wgmma_k_order) of its k-steps
+    and in whole tiles of rows; else (0, M). A caller whose own kernel produces x may store it in that
+    order (k_ordered_tile), as the first M rows of a buffer of `rows`, and call fp4_linear_k_ordered,
+    which then skips the K-order launch (rollout's decode step). The plain wgmma kernel (the fewer rows
+    below those) is not offered: there the decode step measured slower without the K-order launch
     (results/rollout_h200.md)."""
     from engine import plan as engine_plan  # (here, not at the top: engine/plan.py imports this module)
 

@@ -6,8 +6,9 @@ straight from each lane's registers into mma.sync (no data crosses lanes), split
 partials itself (an atomic ticket, deterministic order), and can carry a small dense product (a
 LoRA A) as extra programs of the same launch (engine/side.py). `_gemv_kernel` serves one row of fp32 x.
 Tested against: fp4_gemm's torch reference in float64, under the interpreter on CPU (each PTX block
-has a plain-Triton model, `_mma_half_reference`, that the interpreter runs and the GPU tests hold the
-PTX to bit for bit) (tests/engine/test_mma.py). Measurements: results/fp4_gemm_h200.md.
+has a plain-Triton model, `_mma_half_reference`, that the interpreter runs); on a GPU the PTX is held to
+that model within rounding (the two accumulate in fp32 in different orders before the 16-bit output)
+and to the float64 reference (tests/engine/test_mma.py). Measurements: results/fp4_gemm_h200.md.
 """
 import triton
 import triton.language as tl

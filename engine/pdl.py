@@ -1,10 +1,12 @@
 """Programmatic dependent launch (PDL): a kernel may be scheduled while the one before it finishes.
 
 Speeds up: the gaps between the many small kernels of a decode step (engine/mma.py, engine/wgmma.py,
-engine/side.py, engine/korder.py and rollout's decode kernels all launch with `pdl_opts`). Changes no
-result: every kernel waits (`pdl_wait`) before it touches memory an earlier kernel writes, so each still
-finishes after all those before it, as in plain stream order. Tested against: the same kernels launched
-without it (tests/engine/test_plan.py; rollout's tests compare decode steps with it on and off).
+engine/side.py, engine/korder.py and the decode step's kernels in engine/decode_kernels.py all launch
+with `pdl_opts`). Changes no result: every kernel waits (`pdl_wait`) before it touches memory an earlier
+kernel writes, so each still finishes after all those before it, as in plain stream order. Tested
+against: the same graphed LoRA rollout launched without it, tokens and logprobs bit for bit
+(tests/engine/test_decode.py::test_gpu_programmatic_launch_gives_the_same_rollout); where the launch
+option is given, tests/engine/test_plan.py.
 QERL_PDL=0 turns it off. Measurements: results/rollout_h200.md.
 """
 import functools
@@ -46,9 +48,9 @@ def pdl_opts(device):
 # tail overlap. It must then wait (griddepcontrol.wait) before it reads memory that earlier kernels
 # write or writes memory that they read; the kernels here wait before any such access, on every
 # path, so each still finishes after all those before it, as in plain stream order. Reading what the
-# kernel before does not write may come first: rollout.py's small kernels load their LoRA B's and
-# norm weights before the wait, and the mma kernel, for decode, its first codes, which then overlaps
-# those loads with the kernel before. (Until the wait returns, even what the kernel before wrote
+# kernel before does not write may come first: engine/decode_kernels.py's small kernels load their
+# LoRA B's and norm weights before the wait, and the mma kernel, for decode, its first codes, which then
+# overlaps those loads with the kernel before. (Until the wait returns, even what the kernel before wrote
 # and then exited may not be visible yet.)
 @triton.jit
 def pdl_wait(PDL: tl.constexpr):

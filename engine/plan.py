@@ -89,7 +89,14 @@ def plan_forward(M, N, K, dtype, device, mma=True):
             return stream
         if K % 256 == 0 and (M > 32 or (M > 16 and N >= 16384)):  # warp-specialized, a 2-deep ring; at 32 rows
             # or fewer the plain kernel's own prefetch keeps up, but for gate/up-like layers on three warpgroups
-            split = 1 if N >= 16384 else (4 if M <= 128 else 2) if K >= 8192 else 2 if M <= 64 else 1
+            if N >= 16384:  # gate/up-like: programs enough unsplit but for the last wave (below)
+                split = 1
+            elif K >= 8192:  # down-like: few weight tiles and a long K, split deeper at fewer rows of x
+                split = 4 if M <= 128 else 2
+            elif M <= 64:  # q/k/v and o at one tile of x: split in two for programs enough
+                split = 2
+            else:  # q/k/v and o at two or more tiles of x: programs enough unsplit, as gate/up
+                split = 1
             # gate/up-like layers: three consumer warpgroups (192 weight rows a program), unsplit but for the
             # last wave. The others: two (128 weight rows) under 128-row tiles of x, except for o_proj's
             # 3584 x 3584 at 256 rows (one)
@@ -318,10 +325,15 @@ def _mma_fits(x2, packed):
     return _pairs_aligned(x2) and x2.shape[1] % 64 == 0 and _words_aligned(packed)
 
 
-def _small_split(K, bk=256):
-    """K chunks for small_linear: whole blocks of bk, at most 32 chunks (tens of programs share A)."""
-    k_split = _chunk(K, min(32, triton.cdiv(K, bk)), bk)
+def _split_k(K, parts, bk):
+    """(splits, width): K in `parts` ranges of whole blocks of bk, fewer where the last would be empty."""
+    k_split = _chunk(K, parts, bk)
     return triton.cdiv(K, k_split), k_split
+
+
+def _small_split(K, bk=256):
+    """_split_k for small_linear: a range per block of bk, at most 32 ranges (tens of programs share A)."""
+    return _split_k(K, min(32, triton.cdiv(K, bk)), bk)
 
 
 def _side_outputs(x2, SR, split):
@@ -384,12 +396,7 @@ def _wgmma_linear(x2, packed, scale_u8, gs, bias, plan, x_k_ordered=False):
         grid = (m_tiles, whole + (tiles_n - whole) * split)
     else:
         grid = (m_tiles, tiles_n, split)
-    gl, TensorDescriptor = wgmma_kernels.gl, wgmma_kernels.TensorDescriptor
-    swizzled = lambda bits: gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=bits, rank=2)
-    x_desc = TensorDescriptor.from_tensor(xp, [bt, 64], swizzled(16))
-    w_desc = TensorDescriptor.from_tensor(packed.view(torch.int32), [64, 32], swizzled(32))
-    s_desc = TensorDescriptor.from_tensor(scale_u8, [64, 16], gl.NVMMASharedLayout(swizzle_byte_width=0,
-                                                                                   element_bitwidth=8, rank=2))
+    x_desc, w_desc, s_desc = wgmma_kernels.ws_descriptors(xp, packed.view(torch.int32), scale_u8, bt)
     # Registers: `regs` a thread for every warpgroup of the program (the producer's counts as one); the
     # partitions then trade them (setmaxnreg): the producer keeps 24, the consumers share the rest evenly.
     regs = _ws_maxnreg(nwg)
@@ -482,12 +489,6 @@ def _mma_linear(x2, packed, scale_u8, gs, bias, plan, side=None, constant_weight
         **pdl_opts(x2.device), num_warps=nw, num_stages=plan.get("num_stages", 1), SPLIT_K=split,
         GS_PER_ROW=gs.numel() > 1, HAS_BIAS=bias is not None)
     return (y, sout) if side is not None else y
-
-
-def _split_k(K, parts, bk):
-    """(splits, width): K in `parts` ranges of whole blocks of bk, fewer where the last would be empty."""
-    k_split = _chunk(K, parts, bk)
-    return triton.cdiv(K, k_split), k_split
 
 
 def _gemv_linear(x2, packed, scale_u8, gs, bias, plan):

@@ -71,16 +71,7 @@ def decode_ptx(p, sb, DTYPE: tl.constexpr):
 
 
 # ---- the tensor-core GEMV (up to 8 rows of x a program): Marlin's idea as one PTX block ----
-#
-# mma.sync m16n8k16 multiplies a 16 x 16 tile A (weight rows x k) by a 16 x 8 tile B (k x tokens) with
-# fp32 accumulation. Its operands live in registers spread over the warp: lane = 4 g + t holds, of A,
-# rows g and g + 8 at columns (2t, 2t+1) and (2t+8, 2t+9); of B, token g at rows (2t, 2t+1) and
-# (2t+8, 2t+9); of the result, rows g and g + 8 at tokens 2t and 2t + 1. Which physical k a column
-# stands for is ours to choose, as long as A and B agree. So each lane decodes contiguous pieces of
-# the rows it loads (row g and row g + 8, 64 codes each per k-step of 256) and loads x at the same
-# k: its decoded pairs go straight into the MMA, nothing moves between lanes. Rows of x beyond M
-# (all but one at decode) are zeros: the MMA is 8x wider than needed, but tensor-core time is not
-# what bounds this kernel; decoding is.
+# (how mma.sync's operands sit in a warp's registers, and so which k each lane decodes: engine/mma.py)
 #
 # The word decode both tensor-core kernels share: a 32-bit word q holds codes k0..k7 (4 bits each,
 # k0 lowest) and becomes 4 registers of 2 values, (k3, k7), (k2, k6), (k1, k5), (k0, k4) (low half,

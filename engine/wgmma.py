@@ -22,7 +22,7 @@ try:  # Gluon: Triton with explicit layouts. Its API still moves between release
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                    warpgroup_mma_wait)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401 (engine/plan.py's launch)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     HAS_GLUON = tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 6)
 except ImportError:  # the other kernels serve every shape
@@ -493,3 +493,14 @@ if HAS_GLUON:
                                 part_ptr, lock_ptr, M, N, stride_ym, BT, STAGES, NWG, SPLIT_K, WHOLE, PERSIST, STREAM,
                                 GS_PER_ROW, HAS_BIAS, F16)),
             ], [1, 4, 4], [24, CONSUMER_REGS, CONSUMER_REGS])
+
+
+def ws_descriptors(x, words, scale_u8, bt):
+    """The TMA descriptors _wgmma_ws_kernel reads through: x (in wgmma_k_order) in tiles of (bt, 64), the
+    codes as 32-bit words in tiles of (64, 32), both 128-byte swizzled, and the scale bytes in tiles of
+    (64, 16), unswizzled. (Gluon only: call where HAS_GLUON.)"""
+    swizzled = lambda bits: gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=bits, rank=2)
+    return (TensorDescriptor.from_tensor(x, [bt, 64], swizzled(16)),
+            TensorDescriptor.from_tensor(words, [64, 32], swizzled(32)),
+            TensorDescriptor.from_tensor(scale_u8, [64, 16], gl.NVMMASharedLayout(swizzle_byte_width=0,
+                                                                                  element_bitwidth=8, rank=2)))

@@ -22,8 +22,8 @@ The first four use train.py's default ratio mode (trainer), named explicitly so 
 NVFP4 + AQN varies it. A bf16 base with AQN is a real arm: train.py draws the noise whatever the base's
 format, aqn.noise raises if it changes no norm weight, and the runs' logged sigma (runs.csv max_sigma)
 and nonzero sampler-trainer KL show it was on. Every other setting is train.py's default for the tiny
-model (at the time of writing: trained RMSNorms, truncated completions masked); curves.json keeps one
-run's full args.json ("train_settings"), and --train-args adds flags to every run.
+model: curves.json records them as one run's full args.json ("train_settings"), and --train-args adds
+flags to every run.
 
 Each run is `python experiments/probe.py RUN/probe.jsonl -- --out RUN/run ...flags` (train.py, unchanged, with
 read-only taps: see probe.py for why its own reward and entropy are not enough), then `python eval.py`
@@ -212,8 +212,7 @@ def select_arms(names):
 
 
 def missing_flags(jobs):
-    """train.py flags the grid uses that `python train.py --help` does not list (e.g. --ratio before
-    train.py has it)."""
+    """train.py flags the grid uses that `python train.py --help` does not list."""
     out = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True)
     if out.returncode != 0:
         sys.exit(f"aqn_grid.py: `python train.py --help` failed:\n{out.stderr}")
@@ -534,7 +533,8 @@ def parse_args(argv=None):
     p.add_argument("--eval-limit", type=int, default=256, help="held-out items, for train.py's final evaluation and pass@k")
     p.add_argument("--eval-max-new-tokens", type=int, default=64, help="eval.py completion budget (train.py's tiny default)")
     p.add_argument("--first-steps", type=int, default=5, help="steps averaged for 'first steps' entropy")
-    p.add_argument("--train-args", default="", help="extra train.py flags for every run, one string (e.g. '--train-norms')")
+    p.add_argument("--train-args", default="", help="extra train.py flags for every run, one string "
+                   "(e.g. --train-args='--no-train-norms')")
     p.add_argument("--time-limit", type=float, default=None, help="seconds: stop launching, kill running runs (they "
                    "restart on the next call) and write the results of the finished ones")
     p.add_argument("--dry-run", action="store_true", help="print the command lines and exit")

@@ -1,7 +1,7 @@
 """A few RL steps of the paper's GPU recipe on a random-weight Qwen2.5 shape, under each ratio mode.
 
     python experiments/recipe_steps.py --size 7b          # on a GPU: 3 steps each of trainer, sampler, tis
-    python experiments/recipe_steps.py --size toy         # the same on a toy shape, on the CPU (a smoke test)
+    python experiments/recipe_steps.py --size toy         # the same on a toy shape (a smoke test; any device, the CPU too)
 
 What it checks that the tiny CPU run cannot: the recipe's settings (train.recipe for `--model qwen2.5-7b
 --algo dapo`: NVFP4 base, LoRA r16 alpha16, trained RMSNorms, AdamW beta2 0.99, weight decay 0.1 on LoRA,

@@ -73,3 +73,12 @@ def test_timed_steps_compile_nothing_new(monkeypatch, marks):
     finally:
         torch._dynamo.reset()  # leave no compiled Block.forward to the tests that count graphs
     assert (r["compiles"] == 0) == marks and r["grad_norm"] > 0
+
+
+def test_steps_below_one_are_refused(capsys):
+    """--steps counts the timed steps after the warm-up one: with none there is nothing to average, so the
+    command line refuses it (argparse's error) before any model is built."""
+    with pytest.raises(SystemExit):
+        bench_step.parse_args(["--steps", "0"])
+    assert "--steps 0: at least 1 timed step" in capsys.readouterr().err
+    assert bench_step.parse_args(["--steps", "1"]).steps == 1

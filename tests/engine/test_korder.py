@@ -26,8 +26,8 @@ def test_k_ordered_kernel_is_wgmma_k_order(M, K, bk, dtype, strided, poisoned):
 
 def test_x_in_k_order_needs_the_warp_specialized_kernel():
     """fp4_linear_k_ordered takes x in the warp-specialized wgmma kernel's K order only where the plan
-    runs that kernel (x_k_order's k_step > 0: 33-256 rows on a Hopper GPU); anywhere else it refuses rather than
-    multiply a permuted x."""
+    runs that kernel (x_k_order's k_step > 0: on a Hopper GPU, at the rows plan_forward gives it); anywhere else
+    it refuses rather than multiply a permuted x."""
     q = nvfp4.quantize(torch.randn(64, 256, generator=torch.Generator().manual_seed(0)))
     x = torch.randn(40, 256, dtype=torch.bfloat16)
     assert korder.x_k_order(40, q, torch.bfloat16, x.device) == (0, 40)
