@@ -65,6 +65,9 @@ import tasks
 DEFAULT_MAX_NEW_TOKENS = {"arith": 64, "gsm8k": 512}  # eval.py --data NAME -> budget
 OTHER_MAX_NEW_TOKENS = 2048  # eval.py --data of any other name, or a file
 EVALUATE_MAX_NEW_TOKENS = 1024  # evaluate()'s default (and what None means there)
+# Completions a rollout.generate call samples when batch_size is not given: the tiny model's KV cache is
+# small on the CPU; on a GPU a 7B cache grows with every row.
+DEFAULT_BATCH = {"cpu": 256, "cuda": 64}
 
 
 def pass_at_k(n, c, k):
@@ -133,7 +136,7 @@ def evaluate(model, tokenizer, items, kind=None, *, samples=1, temperature=0.6, 
     prompts = [tasks.get_task(k, prompt).prompt_ids(tokenizer, it["question"]) for it, k in zip(items, kinds)]
     stops = stop_token_ids(tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
-    batch_size = batch_size or (256 if model.device.type == "cpu" else 64)
+    batch_size = batch_size or DEFAULT_BATCH.get(model.device.type, DEFAULT_BATCH["cuda"])
     per_call = max(1, batch_size // samples)
     bar = None
     if progress:

@@ -141,7 +141,7 @@ import grpo
 import lora
 import rollout
 import tasks
-from eval import evaluate
+from eval import DEFAULT_BATCH as EVAL_BATCH, evaluate
 from hub import resolve_device, stop_on_bad_input, stop_token_ids
 from lora import load_policy
 from model import read_config
@@ -984,10 +984,6 @@ class PromptEncoder:
         return self.ids[q]
 
 
-# eval.evaluate's default completions a generate call on the CPU and on a GPU (eval.py keeps them inline, in
-# its batch_size default): the sharded held-out evaluation takes the same batches.
-EVAL_BATCH = (256, 64)
-
 
 def heldout_accuracy(args, model, tokenizer, items, kind, world):
     """The policy's held-out accuracy, graded leniently and strictly: eval.evaluate over `items`, its batch b
@@ -1000,7 +996,8 @@ def heldout_accuracy(args, model, tokenizer, items, kind, world):
     if world.size == 1:
         res = evaluate(model, tokenizer, items, kind, seed=seed, **kw)
         return res["accuracy"], res.get("accuracy_strict")
-    per_batch = max(1, EVAL_BATCH[model.device.type == "cuda"] // args.eval_samples)
+    # (the batches of evaluate's default size, so that the seeds match the single-process run's)
+    per_batch = max(1, EVAL_BATCH.get(model.device.type, EVAL_BATCH["cuda"]) // args.eval_samples)
 
     def right(b, start, end):
         recs = evaluate(model, tokenizer, items[start:end], kind, seed=seed + b,
