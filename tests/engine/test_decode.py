@@ -142,8 +142,12 @@ def test_attention_grid_fits_in_one_wave():
     assert grid(99) == (1, 3) and grid(100) == (1, 2) and grid(1000) == (1, 2)
 
 
-@pytest.mark.parametrize("kernels,n,shrinks", [("torch", 4, [8, 4, 2, 1]),
-                                               pytest.param("triton", 2, [4, 2, 1], marks=interpreted)])
+# (Under Triton's interpreter the attention's masked columns compute -inf - (-inf) in numpy, which warns; those
+# lanes are masked out of the result, so the warning says nothing about the kernel.)
+@pytest.mark.parametrize("kernels,n,shrinks", [
+    ("torch", 4, [8, 4, 2, 1]),
+    pytest.param("triton", 2, [4, 2, 1], marks=[interpreted, pytest.mark.filterwarnings(
+        "ignore:invalid value encountered in subtract:RuntimeWarning")])])
 def test_finished_rows_leave_the_batch(hf_folder, kernels, n, shrinks):
     """As rows stop, the live ones move into a state of half the rows or fewer (views of the same cache),
     and the later steps run only those rows: the same completions, logprobs, lengths and finish reasons,
