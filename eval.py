@@ -70,6 +70,11 @@ EVALUATE_MAX_NEW_TOKENS = 1024  # evaluate()'s default (and what None means ther
 DEFAULT_BATCH = {"cpu": 256, "cuda": 64}
 
 
+def default_batch(device):
+    """DEFAULT_BATCH for a model on `device` (a GPU's value for any accelerator)."""
+    return DEFAULT_BATCH.get(torch.device(device).type, DEFAULT_BATCH["cuda"])
+
+
 def pass_at_k(n, c, k):
     """Unbiased pass@k of one problem with c right out of n samples (Chen et al. 2021)."""
     if not 0 <= c <= n or not 1 <= k <= n:
@@ -136,7 +141,7 @@ def evaluate(model, tokenizer, items, kind=None, *, samples=1, temperature=0.6, 
     prompts = [tasks.get_task(k, prompt).prompt_ids(tokenizer, it["question"]) for it, k in zip(items, kinds)]
     stops = stop_token_ids(tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
-    batch_size = batch_size or DEFAULT_BATCH.get(model.device.type, DEFAULT_BATCH["cuda"])
+    batch_size = batch_size or default_batch(model.device)
     per_call = max(1, batch_size // samples)
     bar = None
     if progress:

@@ -366,6 +366,12 @@ def _chunk(K, parts, bk):
     return triton.cdiv(triton.cdiv(K, parts), bk) * bk
 
 
+def _split_k(K, parts, bk):
+    """(splits, width): K in `parts` ranges of whole blocks of bk, fewer where the last would be empty."""
+    k_split = _chunk(K, parts, bk)
+    return triton.cdiv(K, k_split), k_split
+
+
 def _tile_opts(x, decode):
     """The tiled kernels' dot dtype and decode. The interpreter (triton 3.8) multiplies bf16 dot operands
     as raw bits, so on CPU the tiles are dotted in fp32: the same exact products, accumulated in fp32 as
@@ -393,8 +399,7 @@ def tiled_linear(x2, packed, scale_u8, gs, bias, plan=None, decode=None):
     if M == 0:
         return y
     bk = plan["BLOCK_K"]
-    k_split = _chunk(K, plan.get("SPLIT_K", 1), bk)
-    split = triton.cdiv(K, k_split)  # (no empty splits)
+    split, k_split = _split_k(K, plan.get("SPLIT_K", 1), bk)
     part = torch.empty(split, M, N, dtype=torch.float32, device=x2.device) if split > 1 else y  # fp32 partials
     grid = (triton.cdiv(M, plan["BLOCK_M"]) * triton.cdiv(N, plan["BLOCK_N"]), split)
     _interpreted(_tiled_kernel, x2.device)[grid](

@@ -152,13 +152,17 @@ def _inside(path, folder):
     return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
 
 
+def read_marker(folder):
+    """The fields of `folder`'s MARKER ({} when it has none, or one that is not a JSON object)."""
+    try:
+        return read_json(os.path.join(folder, MARKER))
+    except (OSError, ValueError):
+        return {}
+
+
 def written_by(folder):
     """The command that wrote `folder` (from its MARKER), or None."""
-    try:
-        with open(os.path.join(folder, MARKER)) as f:
-            return json.load(f).get("written_by")
-    except (OSError, ValueError, AttributeError):
-        return None
+    return read_marker(folder).get("written_by")
 
 
 def check_out(out, prog, sources=(), force=False):

@@ -259,18 +259,29 @@ class KVCache:
 # The sampler
 # ---------------------------------------------------------------------------------------------
 
+def sampling_problems(max_new_tokens, temperature, top_p, top_k):
+    """What is wrong with these sampling numbers: [(argument, value, what it must be)], [] when nothing.
+    Each check states what a good value meets, so a NaN, which fails every comparison, is refused too,
+    not passed on to give garbage samples. (generate's check, and the CLI's before it loads a model.)"""
+    checks = (("max_new_tokens", max_new_tokens, max_new_tokens >= 1, "must be >= 1"),
+              ("temperature", temperature, 0 <= temperature < float("inf"),
+               "must be a finite number >= 0 (0 = greedy)"),
+              ("top_p", top_p, 0 < top_p <= 1, "must be in (0, 1] (1 = no nucleus truncation)"),
+              ("top_k", top_k, top_k >= 0, "must be >= 0 (0 = all tokens)"))
+    return [(name, value, need) for name, value, ok, need in checks if not ok]
+
+
 def sampling_setup(prompts, n, max_new_tokens, temperature, top_p, top_k, stop_ids, seed, pad_id):
     """Check generate's arguments → (prompts as lists of ints, sampling parameters, seed). The engine
     takes the same."""
     prompts = [[int(t) for t in p] for p in prompts]
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, and every prompt at least one token")
-    if n < 1 or max_new_tokens < 1:
-        raise ValueError(f"n and max_new_tokens must be >= 1, got n={n}, max_new_tokens={max_new_tokens}")
-    # `not (...)`: a NaN fails every comparison, so it is refused too, not passed on to give garbage samples
-    if not (0 <= temperature < float("inf") and 0 < top_p <= 1 and top_k >= 0):
-        raise ValueError(f"need a finite temperature >= 0 (0 = greedy), 0 < top_p <= 1 and top_k >= 0; got "
-                         f"temperature={temperature}, top_p={top_p}, top_k={top_k}")
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got n={n}")
+    problems = sampling_problems(max_new_tokens, temperature, top_p, top_k)
+    if problems:
+        raise ValueError("generate: " + "; ".join(f"{name}={value}: {need}" for name, value, need in problems))
     if seed is None:
         seed = int(torch.randint(0, 2**62, (1,)))
     sp = SimpleNamespace(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
@@ -472,16 +483,10 @@ def main(argv=None):
         p.error("pass --model and --prompt (or --bench)")
     if not args.prompt.strip():
         p.error("--prompt is empty: give it a message to answer, e.g. --prompt \"What is 17 * 23?\"")
-    # every bad number stops here, before the model loads (generate would refuse it only after loading);
-    # each check states what a good value meets, so a NaN, which fails every comparison, is refused too
-    checks = (("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 1, "must be >= 1"),
-              ("--temperature", args.temperature, 0 <= args.temperature < float("inf"),
-               "must be a finite number >= 0 (0 = greedy)"),
-              ("--top-p", args.top_p, 0 < args.top_p <= 1, "must be in (0, 1] (1 = no nucleus truncation)"),
-              ("--top-k", args.top_k, args.top_k >= 0, "must be >= 0 (0 = all tokens)"))
-    problems = [f"{flag} {value}: {need}" for flag, value, ok, need in checks if not ok]
+    # every bad number stops here, before the model loads (generate would refuse it only after loading)
+    problems = sampling_problems(args.max_new_tokens, args.temperature, args.top_p, args.top_k)
     if problems:
-        p.error("; ".join(problems))
+        p.error("; ".join(f"--{name.replace('_', '-')} {value}: {need}" for name, value, need in problems))
     return chat(args)
 
 

@@ -141,7 +141,7 @@ import grpo
 import lora
 import rollout
 import tasks
-from eval import DEFAULT_BATCH as EVAL_BATCH, evaluate
+from eval import default_batch, evaluate
 from hub import resolve_device, stop_on_bad_input, stop_token_ids
 from lora import load_policy
 from model import read_config
@@ -875,12 +875,8 @@ def default_out(run_id):
 def started_run(out):
     """Whether a train.py run was started in `out`, finished or not, perhaps still running: its marker
     names a run id (prepare_out's first write), or it holds a run's args.json, checkpoint or metrics."""
-    try:
-        run_id = hub.read_json(os.path.join(out, hub.MARKER)).get("run_id")
-    except (OSError, ValueError):
-        run_id = None
     metrics = os.path.join(out, "metrics.jsonl")
-    return bool(run_id or os.path.exists(os.path.join(out, "args.json")) or find_checkpoint(out)
+    return bool(hub.read_marker(out).get("run_id") or os.path.exists(os.path.join(out, "args.json")) or find_checkpoint(out)
                 or (os.path.exists(metrics) and os.path.getsize(metrics) > 0))
 
 
@@ -997,7 +993,7 @@ def heldout_accuracy(args, model, tokenizer, items, kind, world):
         res = evaluate(model, tokenizer, items, kind, seed=seed, **kw)
         return res["accuracy"], res.get("accuracy_strict")
     # (the batches of evaluate's default size, so that the seeds match the single-process run's)
-    per_batch = max(1, EVAL_BATCH.get(model.device.type, EVAL_BATCH["cuda"]) // args.eval_samples)
+    per_batch = max(1, default_batch(model.device) // args.eval_samples)
 
     def right(b, start, end):
         recs = evaluate(model, tokenizer, items[start:end], kind, seed=seed + b,

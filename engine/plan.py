@@ -24,7 +24,8 @@ from engine import wgmma as wgmma_kernels
 from engine.mma import _gemv_kernel, _mma_kernel
 from engine.korder import _k_step_of, _x_rows, k_ordered
 from engine.pdl import capability, pdl_opts
-from fp4_gemm import _chunk, _choice, _decode_plain, _e2m1_to_f32, _e4m3_to_f32, _interpreted, _launch_opts
+from fp4_gemm import (_chunk, _choice, _decode_plain, _e2m1_to_f32, _e4m3_to_f32, _interpreted, _launch_opts,
+                      _split_k)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,12 +324,6 @@ def _mma_fits(x2, packed):
     """The mma kernel reads x as 32-bit pairs and the codes as 32-bit words (16-byte vectors when Triton
     sees 16-byte alignment), a lane's 64 k at a time."""
     return _pairs_aligned(x2) and x2.shape[1] % 64 == 0 and _words_aligned(packed)
-
-
-def _split_k(K, parts, bk):
-    """(splits, width): K in `parts` ranges of whole blocks of bk, fewer where the last would be empty."""
-    k_split = _chunk(K, parts, bk)
-    return triton.cdiv(K, k_split), k_split
 
 
 def _small_split(K, bk=256):
