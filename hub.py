@@ -250,6 +250,38 @@ def claim_folder(out, prog, sources=(), force=False):
     return state
 
 
+@contextlib.contextmanager
+def writing(path, kept=None):
+    """Around a write: one that fails for lack of space or permission (an OSError, or the SafetensorError
+    that safetensors raises for the same causes) becomes one OutputError line naming `path`, the cause,
+    and `kept` (what is still there: "the checkpoint before it is kept", say), which stop_on_bad_input
+    prints instead of a traceback."""
+    try:
+        yield
+    except OSError as e:
+        raise OutputError(f"cannot write {path}: {e.strerror or e}" + (f"; {kept}" if kept else "")) from None
+    except Exception as e:
+        if type(e).__name__ != "SafetensorError":  # (safetensors' own class; it is no OSError)
+            raise
+        raise OutputError(f"cannot write {path}: {e}" + (f"; {kept}" if kept else "")) from None
+
+
+def check_tensor(t, name, path, shape=None, dtype=None):
+    """A tensor read from a file, refused (ValueError naming the file and the tensor) unless it is finite
+    and, where given, of `shape` and `dtype`: a NaN weight would otherwise run silently to NaN outputs.
+    Integer and packed tensors (NVFP4 codes) are always finite; float8 is checked through float32."""
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{path}: {name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+    if dtype is not None and t.dtype != dtype:
+        raise ValueError(f"{path}: {name} has dtype {t.dtype}, expected {dtype}")
+    if t.is_floating_point():
+        bad = ~(t.float() if t.element_size() == 1 else t).isfinite()
+        if bool(bad.any()):
+            raise ValueError(f"{path}: {name} holds {int(bad.sum())} non-finite values (NaN or infinity) of "
+                             f"{t.numel()}; the file is damaged or was written by a diverged run")
+    return t
+
+
 def write_json(path, obj):
     """Write JSON atomically: a reader (or a crash) sees the old file or the new, never half of one."""
     tmp = f"{path}.tmp"

@@ -133,3 +133,32 @@ def test_new_folder_is_atomic_readable_and_leaves_nothing_on_failure(tmp_path):
     with hub.new_folder(str(out), "nvfp4.py") as tmp:  # an earlier output of the same command is replaced
         (open(os.path.join(tmp, "b"), "w")).write("3")
     assert sorted(os.listdir(out)) == [hub.MARKER, "b"] and sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_check_tensor_refuses_non_finite_wrong_shape_and_dtype():
+    ok = torch.tensor([[1.0, -2.0]])
+    assert hub.check_tensor(ok, "w", "f.safetensors", shape=(1, 2), dtype=torch.float32) is ok
+    for bad, what in ((torch.tensor([1.0, float("nan")]), "1 non-finite"),
+                      (torch.tensor([float("inf")], dtype=torch.bfloat16), "1 non-finite"),
+                      (torch.full((2,), float("nan")).to(torch.float8_e4m3fn), "2 non-finite")):
+        with pytest.raises(ValueError, match=f"f.safetensors: w holds {what}"):
+            hub.check_tensor(bad, "w", "f.safetensors")
+    with pytest.raises(ValueError, match=r"shape \(1, 2\), expected \(2, 1\)"):
+        hub.check_tensor(ok, "w", "f", shape=(2, 1))
+    with pytest.raises(ValueError, match="dtype torch.float32, expected torch.bfloat16"):
+        hub.check_tensor(ok, "w", "f", dtype=torch.bfloat16)
+    hub.check_tensor(torch.tensor([255], dtype=torch.uint8), "codes", "f")  # (packed codes: no NaN to have)
+
+
+def test_writing_turns_a_failed_write_into_one_line(tmp_path):
+    from safetensors import SafetensorError
+
+    with pytest.raises(hub.OutputError, match=r"cannot write .*a: No space left on device; the old one is kept"):
+        with hub.writing(str(tmp_path / "a"), "the old one is kept"):
+            raise OSError(28, "No space left on device")
+    with pytest.raises(hub.OutputError, match=r"cannot write .*b: .*quota"):
+        with hub.writing(str(tmp_path / "b")):
+            raise SafetensorError("Error while serializing: quota exceeded")
+    with pytest.raises(RuntimeError):  # (anything else is a bug, and keeps its traceback)
+        with hub.writing(str(tmp_path / "c")):
+            raise RuntimeError("boom")
