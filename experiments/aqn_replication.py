@@ -86,7 +86,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from experiments.aqn_grid import Stop, fmt_ci, job_env, mean_ci, mean_of, num, read_jsonl, run_cmd, sign_flip_p, \
+from experiments.aqn_grid import Stop, fmt_ci, mean_ci, mean_of, num, read_jsonl, run_cmd, sign_flip_p, \
     t_cdf, t_quantile  # noqa: E402
 
 

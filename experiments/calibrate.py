@@ -34,7 +34,6 @@ how sharp the policy has become, on text that is the same for every arm.
 """
 import argparse
 import csv
-import json
 import math
 import os
 import sys
