@@ -133,6 +133,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+import adapters
 import aqn
 import dapo
 import ddp
@@ -143,7 +144,7 @@ import rollout
 import tasks
 from eval import default_batch, evaluate
 from hub import resolve_device, stop_on_bad_input, stop_token_ids
-from lora import load_policy
+from adapters import load_policy
 from model import read_config
 import hub
 
@@ -523,7 +524,7 @@ def save_checkpoint(out, model, optimizer, scheduler, state):
     tmp, final, old = (os.path.join(out, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.old"))
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    lora.save_adapter(model, os.path.join(tmp, "adapter"))
+    adapters.save_adapter(model, os.path.join(tmp, "adapter"))
     rng, rng_meta = rng_state()
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng},
                os.path.join(tmp, "state.pt"))
@@ -573,7 +574,7 @@ def read_checkpoint(path, run_id=None):
     if state.get("run_id") != run_id:
         raise ValueError(f"{path} belongs to another run (its run id {state.get('run_id')} is not args.json's "
                          f"{run_id}); a run resumes only from checkpoints it wrote")
-    lora.read_adapter(os.path.join(path, "adapter"))  # (raises naming the file)
+    adapters.read_adapter(os.path.join(path, "adapter"))  # (raises naming the file)
     return {**state, "json_rng": state.get("rng"), **tensors}
 
 
@@ -1166,7 +1167,7 @@ def main(argv=None):
     metrics_path, samples_path = os.path.join(out, "metrics.jsonl"), os.path.join(out, "samples.jsonl")
     if args.resume:
         with stop_on_bad_input("train.py"):
-            lora.load_adapter(model, os.path.join(ckpt, "adapter"))
+            adapters.load_adapter(model, os.path.join(ckpt, "adapter"))
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"], state["json_rng"])
@@ -1269,7 +1270,7 @@ def main(argv=None):
     tracker.log({"heldout_accuracy": final}, args.steps - 1)
     tracker.close()
     plot(rows, os.path.join(out, "curves.png"), baseline)
-    lora.save_adapter(model, os.path.join(out, "adapter"), base_model_name_or_path=args.model)
+    adapters.save_adapter(model, os.path.join(out, "adapter"), base_model_name_or_path=args.model)
     summary = {"baseline_accuracy": baseline, "final_accuracy": final, "improvement": final - baseline,
                "baseline_accuracy_strict": strict.get(0), "final_accuracy_strict": strict.get(args.steps),
                "reward": args.reward, "prompt": args.prompt,

@@ -16,6 +16,7 @@ import warnings
 import pytest
 import torch
 
+import adapters
 import fp4_gemm
 import hub
 import lora
@@ -49,7 +50,7 @@ def test_short_run_learns(tmp_path):
     assert {"baseline_accuracy", "final_accuracy", "wall_time_s"} <= set(s)
     assert all(r["checkpointing"] == 1 for r in rows)  # --checkpointing auto keeps it on on the CPU
     # LoRA B moved away from its zero init, in every adapted layer.
-    bs = [B for A, B in lora.read_adapter(os.path.join(out, "adapter"))[1].values()]
+    bs = [B for A, B in adapters.read_adapter(os.path.join(out, "adapter"))[1].values()]
     assert len(bs) == 4 * 7 and all(B.abs().max() > 0 for B in bs)
 
 
@@ -185,7 +186,7 @@ def test_nonfinite_loss_skips_the_update(monkeypatch, tmp_path):
     assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
     row = read_metrics(out)[0]
     assert row["skipped"] is True
-    bs = [B for A, B in lora.read_adapter(os.path.join(out, "adapter"))[1].values()]
+    bs = [B for A, B in adapters.read_adapter(os.path.join(out, "adapter"))[1].values()]
     assert all(torch.equal(B, torch.zeros_like(B)) for B in bs)  # nothing moved
 
 
@@ -312,7 +313,7 @@ def test_ratio_modes_on_the_tiny_policy_with_aqn_and_trained_norms():
     import rollout
     import tasks
 
-    model, tokenizer = lora.load_policy(M.read_config("tiny")[0], quant="nvfp4", device="cpu")
+    model, tokenizer = adapters.load_policy(M.read_config("tiny")[0], quant="nvfp4", device="cpu")
     params = lora.apply_lora(model, rank=4, alpha=8)
     norms = lora.train_norms(model)
     ptrs = [p.data_ptr() for p in norms]
