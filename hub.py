@@ -38,7 +38,7 @@ import shutil
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ALIASES = {f"qwen2.5-{n}b": f"Qwen/Qwen2.5-{n.upper()}B-Instruct" for n in ("0.5", "1.5", "3", "7", "14", "32")}
+ALIASES = {f"qwen2.5-{n}b": f"Qwen/Qwen2.5-{n.upper()}B-Instruct" for n in ("0.5", "1.5", "3", "7", "14", "32", "72")}
 ALIASES["tiny"] = os.path.join(HERE, "assets", "tiny")
 MARKER = ".qerl-output.json"  # {"written_by": "nvfp4.py", "files": [...]}: which command wrote its folder, and what
 
