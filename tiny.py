@@ -54,7 +54,7 @@ checkpoint is built in a temporary folder beside --out and renamed into place wh
 stops with one line naming the file (hub.writing).
 
 Measurement. At the end the held-out numbers are measured on the saved checkpoint through the project's
-own stack (lora.load_policy: model.py, NVFP4 via fp4_gemm; rollout.generate), unquantized and NVFP4:
+own stack (adapters.load_policy: model.py, NVFP4 via fp4_gemm; rollout.generate), unquantized and NVFP4:
 greedy accuracy, and pass@1 / pass@K from K samples at temperature 1 (eval.pass_at_k), graded by the
 task's judge (arith: the number of the `#### N` line, as arith.parse_solution reads it; countdown.grade).
 The probes during training sample the transformers model being trained through the same
@@ -77,6 +77,7 @@ import torch.nn.functional as F
 
 import arith
 import countdown
+import data
 import hub
 import tasks
 
@@ -135,7 +136,7 @@ SYNTHETIC = {
                        "the synthetic arithmetic word problems of `arith.py` (2-4 steps of + - * on small "
                        "numbers, answers in GSM8K's format ending in `#### N`). It is the default `--model tiny` "
                        "of train.py and eval.py", arith.load, lambda it: it["answer"], _arith_grade, _arith_valid,
-                       tasks.DATASETS["arith"][0], tasks.TASKS[tasks.DATASETS["arith"][0]].instruction),
+                       data.DATASETS["arith"][0], tasks.get_task(data.DATASETS["arith"][0]).instruction),
     "countdown": Synthetic("countdown", "countdown: the AQN replication's policy",
                            "the Countdown problems of `countdown.py` (four numbers, reach the target with + - * /, "
                            "each number once; three steps, then the expression after `####`). It is the policy "
@@ -394,15 +395,15 @@ def accuracy(policy, tokenizer, items, samples, generator, task="arith", max_new
 
 
 def measure(out, held, samples, device, task="arith", max_new_tokens=64):
-    """Held-out accuracy of the saved checkpoint through the project's own stack (lora.load_policy:
+    """Held-out accuracy of the saved checkpoint through the project's own stack (adapters.load_policy:
     model.py, NVFP4 via fp4_gemm; rollout.generate), unquantized and NVFP4: greedy, and pass@1 / pass@K
     at temperature 1 from K samples, graded by the task's judge."""
-    import lora
+    import adapters
 
     final = {}
     for quant in ("bf16", "nvfp4"):
         t0 = time.time()
-        m, tok = lora.load_policy(str(out), None, quant, device)
+        m, tok = adapters.load_policy(str(out), None, quant, device)
         acc = accuracy(m, tok, held, samples, torch.Generator().manual_seed(1), task, max_new_tokens)
         final[quant] = {**acc, "seconds": round(time.time() - t0, 1)}
         print(f"final {quant}: " + "  ".join(f"{k} {v:.3f}" for k, v in final[quant].items()), flush=True)
@@ -458,10 +459,11 @@ def report_only(args, out):
     if not (out / "training.json").is_file():
         raise SystemExit(f"tiny.py: --report-only re-measures a checkpoint that tiny.py trained, and {out} has "
                          f"no training.json; train one there first (without --report-only)")
-    if hub.written_by(str(out)) != "tiny.py" and not args.force:
-        raise SystemExit(f"tiny.py: --report-only rewrites training.json and README.md in {out}, which tiny.py did "
-                         f"not write (no {hub.MARKER} of its own, as the bundled assets/tiny); pass --force to "
-                         f"rewrite them, or copy the folder and re-measure the copy")
+    try:  # (the rules of a folder tiny.py would replace: another command's, or the project's own, need --force)
+        hub.check_out(str(out), "tiny.py", force=args.force)
+    except hub.OutputError as e:
+        raise SystemExit(f"tiny.py: --report-only rewrites training.json and README.md in {out}, which it may not "
+                         f"now: {e}") from None
     meta = json.loads((out / "training.json").read_text())
     task = meta["args"].get("task", "arith")
     held = SYNTHETIC[task].load("test", args.eval_size, seed=meta["args"]["seed"])

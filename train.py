@@ -133,6 +133,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+import adapters
 import aqn
 import dapo
 import ddp
@@ -141,9 +142,10 @@ import grpo
 import lora
 import rollout
 import tasks
+from data import DATASETS, load_dataset
 from eval import default_batch, evaluate
 from hub import resolve_device, stop_on_bad_input, stop_token_ids
-from lora import load_policy
+from adapters import load_policy
 from model import read_config
 import hub
 
@@ -152,10 +154,10 @@ def _splits(source):
     return {"train", "test"} if source is None else set(source.splits)  # (None: arith, generated in both)
 
 
-# tasks.DATASETS's named sets with a train split (arith, the synthetic one, first), and those with a test split.
-TRAIN_SETS = sorted((n for n, (_, src) in tasks.DATASETS.items() if "train" in _splits(src)),
+# data.py's named sets with a train split (arith, the synthetic one, first), and those with a test split.
+TRAIN_SETS = sorted((n for n, (_, src) in DATASETS.items() if "train" in _splits(src)),
                     key=lambda n: n != "arith")
-TEST_SETS = [n for n, (_, src) in tasks.DATASETS.items() if "test" in _splits(src)]
+TEST_SETS = [n for n, (_, src) in DATASETS.items() if "test" in _splits(src)]
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -244,8 +246,9 @@ def build_parser():
                    "strict = the answer only where the prompt asks for it, as the official reward; lenient also "
                    "reads the last number (tasks.grade) (tiny: lenient; paper recipe: strict)")
     p.add_argument("--prompt", default="ours", choices=list(tasks.PROMPT_STYLES), help="how problems are asked, in "
-                   "training and held-out evaluation: our instruction, or the official think/answer system prompt "
-                   "(tasks.get_task)")
+                   "training and held-out evaluation (tasks.PROMPTS): ours, our instruction; paper, as the code of "
+                   "the paper's time (think tags, then ####); official, the think/answer system prompt; bare, the "
+                   "question alone")
     # AQN (QeRL: 10 stages, sigma 1e-2 -> 1e-4 in the official scripts, 5e-4 in the paper's text; stage 0 noise-free)
     p.add_argument("--no-aqn", action="store_true", help="disable Adaptive Quantization Noise")
     p.add_argument("--aqn-stages", type=int, default=10, help="number of noise stages over the run")
@@ -397,6 +400,12 @@ def check_args(args):
     for k in ("weight_decay", "eps_low", "eps_high", "beta", "sigma_start", "sigma_end", "format_reward"):
         if not (_finite(getattr(args, k)) and getattr(args, k) >= 0):
             problems.append(f"--{k.replace('_', '-')} {getattr(args, k)}: must be a finite number >= 0")
+    if _finite(args.format_reward):  # (e.g. a format weight with --prompt bare, which asks for no form)
+        try:
+            tasks.check_reward(args.reward, signed=args.signed_reward, format_weight=args.format_reward,
+                               prompt=args.prompt)
+        except ValueError as e:
+            problems.append(f"--reward {args.reward}: {e}")
     if isinstance(args.overlong_buffer, int) and isinstance(args.max_new_tokens, int) and \
             not 0 <= args.overlong_buffer <= args.max_new_tokens:
         problems.append(f"--overlong-buffer {args.overlong_buffer} must be within [0, --max-new-tokens]")
@@ -405,9 +414,9 @@ def check_args(args):
     if not targets or unknown:
         problems.append(f"--lora-targets {args.lora_targets}: {', '.join(unknown) or 'nothing'} matches no linear of "
                         f"the model; choose among {','.join(lora.TARGETS)}")
-    named = lambda name: name in tasks.DATASETS  # (anything else is read as a file)
+    named = lambda name: name in DATASETS  # (anything else is read as a file)
     if named(args.data) and args.data not in TRAIN_SETS:
-        only = ", ".join(sorted(_splits(tasks.DATASETS[args.data][1])))
+        only = ", ".join(sorted(_splits(DATASETS[args.data][1])))
         problems.append(f"--data {args.data} has no train split (only {only}); train on {', '.join(TRAIN_SETS)} or a "
                         f".jsonl file, and evaluate on it with --eval-data {args.data}")
     choices = f"pass --eval-data FILE or a named test set ({', '.join(TEST_SETS)})"
@@ -421,7 +430,7 @@ def check_args(args):
                         f"{', '.join(TEST_SETS)}")
     for name in dict.fromkeys(n for n in (args.data, args.eval_data) if n is not None and not named(n)):
         if not os.path.isfile(name):
-            problems.append(f"no data file at {name} (nor a named set: {', '.join(tasks.DATASETS)})")
+            problems.append(f"no data file at {name} (nor a named set: {', '.join(DATASETS)})")
     if args.fp8_update and args.quant != "nvfp4":
         problems.append("--fp8-update runs an NVFP4 base's GEMMs in FP8; with --quant bf16 drop it")
     if args.log and not _have("tensorboard" if args.log == "tensorboard" else "wandb"):
@@ -523,7 +532,7 @@ def save_checkpoint(out, model, optimizer, scheduler, state):
     tmp, final, old = (os.path.join(out, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.old"))
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    lora.save_adapter(model, os.path.join(tmp, "adapter"))
+    adapters.save_adapter(model, os.path.join(tmp, "adapter"))
     rng, rng_meta = rng_state()
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng},
                os.path.join(tmp, "state.pt"))
@@ -573,7 +582,7 @@ def read_checkpoint(path, run_id=None):
     if state.get("run_id") != run_id:
         raise ValueError(f"{path} belongs to another run (its run id {state.get('run_id')} is not args.json's "
                          f"{run_id}); a run resumes only from checkpoints it wrote")
-    lora.read_adapter(os.path.join(path, "adapter"))  # (raises naming the file)
+    adapters.read_adapter(os.path.join(path, "adapter"))  # (raises naming the file)
     return {**state, "json_rng": state.get("rng"), **tensors}
 
 
@@ -1036,7 +1045,7 @@ class Sampler:
                                       top_p=args.top_p, stop_ids=self.stop_ids,
                                       seed=ddp.shift_seed(args.seed * 7919 + step * 31 + round_, lo * G))
             texts = ro.texts(self.tokenizer)
-            parts = [tasks.reward(self.kind, t, items[lo + i // G]["answer"], strict=args.reward == "strict",
+            parts = [tasks.reward(self.kind, t, items[lo + i // G]["answer"], args.reward,
                                   signed=args.signed_reward, format_weight=args.format_reward, prompt=args.prompt)[1]
                      for i, t in enumerate(texts)]
             per_row[0, lo * G:hi * G] = torch.tensor([p["correct"] for p in parts])
@@ -1129,8 +1138,8 @@ def main(argv=None):
     # missing or malformed stops here, with what to do, before minutes of loading.
     with stop_on_bad_input("train.py"):
         model_dir = read_config(args.model)[0]
-        train_items = tasks.load_dataset(args.data, split="train")  # (a file has no splits: all of it)
-        eval_items = tasks.load_dataset(args.eval_data, split="test", limit=args.eval_limit)
+        train_items = load_dataset(args.data, split="train")  # (a file has no splits: all of it)
+        eval_items = load_dataset(args.eval_data, split="test", limit=args.eval_limit)
         if not train_items:
             raise ValueError(f"{args.data} holds no problems")
         ckpt = state = None
@@ -1166,7 +1175,7 @@ def main(argv=None):
     metrics_path, samples_path = os.path.join(out, "metrics.jsonl"), os.path.join(out, "samples.jsonl")
     if args.resume:
         with stop_on_bad_input("train.py"):
-            lora.load_adapter(model, os.path.join(ckpt, "adapter"))
+            adapters.load_adapter(model, os.path.join(ckpt, "adapter"))
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"], state["json_rng"])
@@ -1269,7 +1278,7 @@ def main(argv=None):
     tracker.log({"heldout_accuracy": final}, args.steps - 1)
     tracker.close()
     plot(rows, os.path.join(out, "curves.png"), baseline)
-    lora.save_adapter(model, os.path.join(out, "adapter"), base_model_name_or_path=args.model)
+    adapters.save_adapter(model, os.path.join(out, "adapter"), base_model_name_or_path=args.model)
     summary = {"baseline_accuracy": baseline, "final_accuracy": final, "improvement": final - baseline,
                "baseline_accuracy_strict": strict.get(0), "final_accuracy_strict": strict.get(args.steps),
                "reward": args.reward, "prompt": args.prompt,

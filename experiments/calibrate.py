@@ -187,11 +187,11 @@ def problems(data, n):
 
 def calibrate(model_dir, data, n, max_new_tokens, device, sigmas=SIGMAS, taus=TAUS, draws=DRAWS, seed=0):
     """The measurements of the module docstring → (rows for calibration.csv, summary dict)."""
-    import lora
+    import adapters
 
     syn, items = problems(data, n)
-    ref, tok = lora.load_policy(model_dir, None, "bf16", device)
-    q4, _ = lora.load_policy(model_dir, None, "nvfp4", device)
+    ref, tok = adapters.load_policy(model_dir, None, "bf16", device)
+    q4, _ = adapters.load_policy(model_dir, None, "nvfp4", device)
     prompts = [syn.task.prompt_ids(tok, it["question"]) for it in items]
     completions = sample_completions(ref, tok, prompts, max_new_tokens, seed)
     tokens, mask = pack(prompts, completions, tok.pad_token_id)
@@ -254,10 +254,10 @@ def write(out, rows, summary):
 def teacher_forced_entropy(model_dir, adapter, quant, data, n, device):
     """Mean token entropy (temperature 1, no noise) of base + adapter on the reference solutions of the
     first n held-out problems."""
-    import lora
+    import adapters
 
     syn, items = problems(data, n)
-    model, tok = lora.load_policy(model_dir, adapter, quant, device)
+    model, tok = adapters.load_policy(model_dir, adapter, quant, device)
     prompts = [syn.task.prompt_ids(tok, it["question"]) for it in items]
     answers = [tok(syn.target(it), add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for it in items]
     tokens, mask = pack(prompts, answers, tok.pad_token_id)

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import adapters
 import ddp
 import lora
 import model as M
@@ -180,7 +181,7 @@ def metrics(out):
 
 
 def adapter(out):
-    return lora.read_adapter(os.path.join(out, "adapter"))[1]
+    return adapters.read_adapter(os.path.join(out, "adapter"))[1]
 
 
 # Exact: what sampling and grading decide. Close: what the update computes in float32.

@@ -84,16 +84,17 @@ def test_our_model_matches_transformers_on_the_checkpoint(hf):
 def test_partial_competence_and_nvfp4():
     """Right often but not reliably at temperature 1 (room for RL), mostly right greedily, and the
     same after NVFP4 quantization of the decoder linears, measured as tiny.py measures a saved
-    checkpoint (lora.load_policy: model.py and fp4_gemm). Bounds are loose: 64 problems are noisy."""
-    import lora
+    checkpoint (adapters.load_policy: model.py and fp4_gemm). Bounds are loose: 64 problems are noisy."""
+    import adapters
 
     items = arith.load("test", 64, seed=1)  # other problems than the README's measurement
-    ref, tok = lora.load_policy(str(TINY), None, "bf16", "cpu")
+    ref, tok = adapters.load_policy(str(TINY), None, "bf16", "cpu")
     acc = tiny.accuracy(ref, tok, items, 8, torch.Generator().manual_seed(random.randrange(1000)))
     assert 0.10 <= acc["pass@1_t1"] <= 0.70, acc
     assert acc["pass@8_t1"] >= acc["pass@1_t1"] + 0.2, acc
     assert acc["greedy"] >= 0.7 and acc["valid_t1"] >= 0.75, acc  # (a slip may hit the #### line too)
-    q = tiny.accuracy(lora.load_policy(str(TINY), None, "nvfp4", "cpu")[0], tok, items, 1, torch.Generator().manual_seed(0))
+    q = tiny.accuracy(adapters.load_policy(str(TINY), None, "nvfp4", "cpu")[0], tok, items, 1,
+                      torch.Generator().manual_seed(0))
     assert q["greedy"] >= acc["greedy"] - 0.15, (acc, q)
 
 
@@ -150,15 +151,16 @@ def fake_measure(out, held, samples, device, task="arith", max_new_tokens=64):
 
 
 def test_a_failure_midway_leaves_the_folder_as_it_was(tmp_path, monkeypatch):
-    """`--out FOLDER --force` over a checkpoint tiny.py did not mark (the bundled one is such): the new one is
-    built beside it and renamed into place at the end, so a failure after training leaves the old files,
-    and no temporary folder; on success the folder is replaced, and its recorded command keeps --force,
-    which that folder needs."""
+    """`--out FOLDER --force` over a checkpoint that only --force lets tiny.py replace (here one another
+    command wrote; the bundled one lies in the project's tree): the new one is built beside it and renamed
+    into place at the end, so a failure after training leaves the old files, and no temporary folder; on
+    success the folder is replaced, and its recorded command keeps --force, which that folder needs."""
     import hub
 
     out = tmp_path / "bundled"
     out.mkdir()
     (out / "model.safetensors").write_text("the old weights")
+    hub.mark(str(out), "lora.py", files=["model.safetensors"])
 
     def broken(*a, **k):
         raise RuntimeError("boom")
@@ -166,7 +168,7 @@ def test_a_failure_midway_leaves_the_folder_as_it_was(tmp_path, monkeypatch):
     monkeypatch.setattr(tiny, "measure", broken)  # (after the training and the save)
     with pytest.raises(RuntimeError, match="boom"):
         tiny.main(tiny.parse_args(SMALL + ["--out", str(out), "--force"]))
-    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [hub.MARKER, "model.safetensors"]
     assert (out / "model.safetensors").read_text() == "the old weights"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bundled"]
     monkeypatch.setattr(tiny, "measure", fake_measure)
@@ -180,14 +182,14 @@ def test_a_failure_midway_leaves_the_folder_as_it_was(tmp_path, monkeypatch):
 
 
 def test_the_bundled_command_runs_as_written():
-    """The command assets/tiny records passes tiny.py's checks on the bundled folder as it is (which
-    tiny.py did not mark): it keeps --force."""
+    """The command assets/tiny records passes tiny.py's checks on the bundled folder as it is (marked as
+    tiny.py's, in the project's tree: replaced only with --force): it keeps --force."""
     import hub
 
     meta = json.loads((TINY / "training.json").read_text())
     assert f"    {meta['command']}\n" in (TINY / "README.md").read_text()
     argv = meta["command"].split()[2:]
-    assert argv[:2] == ["--out", "assets/tiny"] and hub.written_by(str(TINY)) is None
+    assert argv[:2] == ["--out", "assets/tiny"] and hub.written_by(str(TINY)) == "tiny.py"
     args = tiny.parse_args(argv)
     assert hub.check_out(str(ROOT / args.out), "tiny.py", force=args.force) == "forced"
 
@@ -247,7 +249,7 @@ def test_countdown_prompt_is_the_one_tasks_asks():
     item = tiny.SYNTHETIC["countdown"].load("test", 1, 0)[0]
     assert task.messages(item["question"]) == [{"role": "user", "content": item["question"] + "\n" +
                                                 countdown.INSTRUCTION}]
-    if "countdown" not in getattr(tasks, "TASKS", {}):
+    if "countdown" not in tasks.KINDS:
         pytest.skip("tasks.py does not know the countdown kind yet (registered when countdown is wired in)")
     assert tasks.get_task("countdown") == task
 
@@ -348,14 +350,19 @@ def bundled_copy(tmp_path):
     return dst
 
 
-def test_report_only_refuses_a_folder_tiny_did_not_mark(tmp_path, monkeypatch):
-    """`--report-only --out <the bundled folder>` without --force: refused, every file as it was."""
-    dst = bundled_copy(tmp_path)
-    before = {p.name: p.read_bytes() for p in dst.iterdir()}
-    monkeypatch.setattr(tiny, "measure", fake_measure)
-    with pytest.raises(SystemExit, match="tiny.py did not write .*pass --force"):
-        tiny.main(tiny.parse_args(["--report-only", "--out", str(dst), "--device", "cpu"]))
-    assert {p.name: p.read_bytes() for p in dst.iterdir()} == before
+def test_report_only_refuses_what_only_force_may_rewrite(tmp_path, monkeypatch):
+    """`--report-only` without --force on the bundled folder (the project's own tree) and on a folder another
+    command wrote: refused before measuring, every file as it was."""
+    import hub
+
+    monkeypatch.setattr(tiny, "measure", lambda *a, **k: pytest.fail("measured a folder it may not rewrite"))
+    other = bundled_copy(tmp_path)
+    hub.mark(str(other), "lora.py", files=sorted(p.name for p in other.iterdir() if p.name != hub.MARKER))
+    for folder, why in ((TINY, "project's own tree"), (other, "written by lora.py")):
+        before = {p.name: p.read_bytes() for p in folder.iterdir()}
+        with pytest.raises(SystemExit, match=f"--report-only rewrites training.json and README.md .*{why}"):
+            tiny.main(tiny.parse_args(["--report-only", "--out", str(folder), "--device", "cpu"]))
+        assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
 
 
 def test_report_only_with_force_rewrites_only_the_measured_table(tmp_path, monkeypatch):

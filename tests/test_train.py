@@ -16,6 +16,7 @@ import warnings
 import pytest
 import torch
 
+import adapters
 import fp4_gemm
 import hub
 import lora
@@ -49,7 +50,7 @@ def test_short_run_learns(tmp_path):
     assert {"baseline_accuracy", "final_accuracy", "wall_time_s"} <= set(s)
     assert all(r["checkpointing"] == 1 for r in rows)  # --checkpointing auto keeps it on on the CPU
     # LoRA B moved away from its zero init, in every adapted layer.
-    bs = [B for A, B in lora.read_adapter(os.path.join(out, "adapter"))[1].values()]
+    bs = [B for A, B in adapters.read_adapter(os.path.join(out, "adapter"))[1].values()]
     assert len(bs) == 4 * 7 and all(B.abs().max() > 0 for B in bs)
 
 
@@ -185,7 +186,7 @@ def test_nonfinite_loss_skips_the_update(monkeypatch, tmp_path):
     assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
     row = read_metrics(out)[0]
     assert row["skipped"] is True
-    bs = [B for A, B in lora.read_adapter(os.path.join(out, "adapter"))[1].values()]
+    bs = [B for A, B in adapters.read_adapter(os.path.join(out, "adapter"))[1].values()]
     assert all(torch.equal(B, torch.zeros_like(B)) for B in bs)  # nothing moved
 
 
@@ -309,14 +310,15 @@ def test_ratio_modes_on_the_tiny_policy_with_aqn_and_trained_norms():
     sees that mismatch in its ratio; 'tis' has the ratio 1 and weights capped at --tis-cap. The norms'
     tensors are updated in place and AQN leaves no trace on them."""
     import aqn
+    import data
     import rollout
     import tasks
 
-    model, tokenizer = lora.load_policy(M.read_config("tiny")[0], quant="nvfp4", device="cpu")
+    model, tokenizer = adapters.load_policy(M.read_config("tiny")[0], quant="nvfp4", device="cpu")
     params = lora.apply_lora(model, rank=4, alpha=8)
     norms = lora.train_norms(model)
     ptrs = [p.data_ptr() for p in norms]
-    items = tasks.load_dataset("arith", split="train")[:3]
+    items = data.load_dataset("arith", split="train")[:3]
     task = tasks.get_task(items[0]["kind"])
     prompts = [task.prompt_ids(tokenizer, it["question"]) for it in items]
     before = [p.detach().clone() for p in norms]
@@ -503,12 +505,12 @@ def test_data_without_a_held_out_split_is_refused_before_any_download(tmp_path, 
     """A --data file would be evaluated on its own training items, and a named set without a test split
     has none to default to: both need --eval-data, said before anything is downloaded or loaded. A missing
     file is named once, if it is both --data and --eval-data."""
-    import tasks
+    import data
 
     def no_download(*a, **k):
         raise AssertionError("a dataset was downloaded")
 
-    monkeypatch.setattr(tasks, "_download", no_download)
+    monkeypatch.setattr(data, "_download", no_download)
     no_model(monkeypatch)
     data = tmp_path / "train.jsonl"
     data.write_text('{"question": "1+1", "answer": "2"}\n')
@@ -535,6 +537,15 @@ def test_aqn_needs_two_stages():
     after)."""
     with pytest.raises(SystemExit, match=re.escape("--aqn-stages 1: must be an integer >= 2 (stage 0 is noise-free)")):
         train.check_args(train.recipe(train.parse_args(["--aqn-stages", "1"])))
+
+
+def test_a_format_reward_needs_a_prompt_that_asks_for_a_form():
+    """--prompt bare asks for no answer form: a format weight with it is refused before any model loads
+    (tasks.check_reward), and without one the bare prompt is fine."""
+    with pytest.raises(SystemExit, match="--reward strict: the bare prompt asks for no answer form"):
+        train.check_args(train.recipe(train.parse_args(["--prompt", "bare", "--reward", "strict",
+                                                        "--format-reward", "0.1"])))
+    train.check_args(train.recipe(train.parse_args(["--prompt", "bare"])))  # (tiny: format weight 0)
 
 
 def test_the_tiny_recipe_follows_the_model_not_its_spelling():
