@@ -76,8 +76,8 @@ def test_quantize_on_load_is_the_exported_model(tmp_path):
 def test_qwen25_shaped_layers_quantize_on_load_as_exported(hf_folder, tmp_path):
     """Qwen2.5-0.5B's layer shapes (q 896x896, GQA k/v 128x896 with biases, gate/up 4864x896), bf16 as
     published, sharded so that a group's members lie in different files; k_proj drawn 3x wider than q/v
-    as in the real checkpoints, so the shared scale differs from a member's own: export-then-load and
-    quantize-on-load agree bit for bit, and both differ from quantizing each projection alone."""
+    (and up 1.5x gate), so the shared scale differs from a member's own: export-then-load and
+    quantize-on-load agree bit for bit, and differ from quantizing q_proj alone."""
     cfg = M.qwen25_config("0.5b").raw
     hf, src = hf_folder("qwen2", hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
                         num_attention_heads=cfg["num_attention_heads"], num_key_value_heads=cfg["num_key_value_heads"],
