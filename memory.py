@@ -224,6 +224,9 @@ def update_bytes(cfg, dtype, prompts, lengths, checkpointing, logp_chunk, quant=
 def allocatable_bytes(device):
     """What this process can still allocate on its GPU: free memory and torch's idle cache, within any
     per-process cap (torch.cuda.set_per_process_memory_fraction)."""
+    device = torch.device(device)
+    if device.index is None:  # "cuda": the current device (get_per_process_memory_fraction wants an index)
+        device = torch.device("cuda", torch.cuda.current_device())
     free, total = torch.cuda.mem_get_info(device)
     used = torch.cuda.memory_allocated(device)
     idle = torch.cuda.memory_reserved(device) - used

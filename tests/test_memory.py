@@ -187,7 +187,13 @@ def test_what_the_process_may_use(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: used)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: used + 4e9)  # 4 GB idle in torch's cache
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (100e9, total))
-    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)
+
+    def fraction(d):  # as torch's: it takes an index, not a bare "cuda"
+        assert isinstance(d, int) or getattr(d, "index", None) is not None, d
+        return 1.0
+
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", fraction)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     assert memory.gpu_budget("cuda") == used + 104e9 and memory.gpu_budget("cuda", 80) == 80e9
     need = memory.activation_bytes(Q7, 8 * 1280, BF16)
     for free, cap, on in ((100e9, 150e9, False), (1.1 * need + 2**30 - 4e9 - 1e8, 150e9, True),
