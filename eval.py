@@ -286,8 +286,8 @@ def _slug(s):
 def main(argv=None):
     args = parse_args(argv)
     check_args(args)
+    import adapters
     import hub
-    import lora
     from model import read_config
 
     device = hub.resolve_device(args.device, "eval.py")  # (stops with a message when cuda is asked for and absent)
@@ -299,12 +299,12 @@ def main(argv=None):
     with hub.stop_on_bad_input("eval.py"):
         model_dir, _, config = read_config(args.model)
         if args.adapter:
-            lora.adapter_fits(config, lora.read_adapter(args.adapter)[1], args.adapter)
+            adapters.adapter_fits(config, adapters.read_adapter(args.adapter)[1], args.adapter)
         items = tasks.load_dataset(args.data, split=args.split, limit=args.limit, data_dir=args.data_dir)
         if not items:
             raise ValueError(f"{args.data} holds no problems")
         hub.claim_folder(out, "eval.py", sources=[model_dir, args.adapter], force=args.force)
-        model, tokenizer = lora.load_policy(model_dir, args.adapter, args.quant, device)
+        model, tokenizer = adapters.load_policy(model_dir, args.adapter, args.quant, device)
     print(f"eval: {args.model}{' + ' + args.adapter if args.adapter else ''} ({args.quant}) on {device}, "
           f"{args.data}/{args.split}: {len(items)} problems x {args.samples} samples, T={args.temperature} "
           f"top-p={args.top_p}, max {max_new} new tokens, prompt {args.prompt}")

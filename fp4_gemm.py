@@ -22,7 +22,7 @@ Decoding without tables. Both formats are tiny floats, so bit moves do the work:
 - E2M1 (s ee m, bias 1) with its sign moved to bit 15 and e e m to bits 11..9 is a float16 worth
   e2m1 * 2^-14. The code with e = 0 (value 0.5) becomes a subnormal, which is exactly right. The missing
   power of two is folded into the block scale.
-`_decode_plain` below does this with Triton integer ops, which also run in Triton's interpreter on a CPU;
+`decode_plain` below does this with Triton integer ops, which also run in Triton's interpreter on a CPU;
 on a GPU the engine room hands the same kernel a PTX version of it (a few instructions a pair of values).
 
 This file, top to bottom: which path runs; the torch reference (dequantize + matmul); one portable
@@ -35,6 +35,10 @@ file's functions: the same decode as PTX, two values an instruction (engine/ptx.
 for decode's few rows (mma.sync, engine/mma.py); Hopper's wgmma with a producer warp, persistent
 programs and stream-K (engine/wgmma.py); dequant + cuBLAS for large M; and the per-shape table that picks
 one (engine/plan.py). What each measured: results/fp4_gemm_h200.md; `python fp4_gemm.py --bench`.
+The engine takes from here only public names: the Triton pieces its kernels share (decode_plain,
+e4m3_to_f32, e2m1_to_f32, w_pairs, scale_bias, finish_tile), the launch helpers (launchable, launch_opts,
+split_k, k_chunk, splitk_reduce), check_operands, torch_linear, and the choice of path (uses_triton,
+pinned_kernel); this file reaches the engine only at its dispatch point.
 
 Paths. "auto": CUDA tensors go to the engine room, CPU tensors to the torch reference.
 `set_backend("torch" | "triton" | "auto", kernel=None)`, the `backend(...)` context manager or the
@@ -51,6 +55,7 @@ re-dequantizes instead of saving a bf16 copy, and q/k/v and gate/up can be fused
 """
 import contextlib
 import functools
+import importlib
 import os
 from typing import Optional
 
@@ -113,26 +118,10 @@ def fp8_tensor_cores(on=True):
         _choice["fp8"] = old
 
 
-def fp8_supported(device):
-    """Whether fp8_tensor_cores can run on `device`: a GPU with FP8 tensor cores (compute capability 8.9
-    and up), or the CPU where this torch's torch._scaled_mm takes one scale a row (slow: for the tests and
-    the tiny run; older CPU builds take one scale a tensor only, so this asks the build in hand)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_capability(device) >= (8, 9)
-    return device.type == "cpu" and _cpu_rowwise_scaled_mm()
-
-
-@functools.lru_cache(maxsize=None)
-def _cpu_rowwise_scaled_mm():
-    a = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
-    try:
-        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
-    except (RuntimeError, TypeError, AttributeError):
-        return False
-    return True
-
-
-def _use_triton(x):
+def uses_triton(device):
+    """Whether fp4_linear multiplies tensors on `device` with a Triton kernel (this file's or the engine's)
+    under the current backend: "auto" on a CUDA device where Triton is installed, always with "triton",
+    never with "torch"."""
     name = _choice["backend"]
     if name == "torch":
         return False
@@ -140,7 +129,12 @@ def _use_triton(x):
         if not HAS_TRITON:
             raise RuntimeError("backend 'triton' forced but triton is not installed")
         return True
-    return HAS_TRITON and x.is_cuda
+    return HAS_TRITON and device.type == "cuda"
+
+
+def pinned_kernel():
+    """The kernel set_backend or backend() pinned (None: the engine's per-shape plan chooses)."""
+    return _choice["kernel"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,13 +147,15 @@ def dequantize(packed, scale, global_scale, dtype=torch.float32):
     return nvfp4.dequantize(nvfp4.NVFP4Tensor(packed, scale, global_scale), dtype)
 
 
-def _torch_linear(x2, packed, scale, gs, bias):
+def torch_linear(x2, packed, scale, gs, bias):
+    """y (M, N) = x2 (M, K) @ dequantize(W)^T (+ bias) in x2's dtype: the torch path of fp4_linear."""
     w = dequantize(packed, scale, gs, x2.dtype)  # (N, K), dropped on return
     y = x2 @ w.t()  # (M, N)
     return y + bias.to(y.dtype) if bias is not None else y
 
 
-def _torch_dx(g2, packed, scale, gs):
+def torch_dx(g2, packed, scale, gs):
+    """dX (M, K) = g2 (M, N) @ dequantize(W) in g2's dtype: the torch path of fp4_linear's backward."""
     return g2 @ dequantize(packed, scale, gs, g2.dtype)  # (M, K)
 
 
@@ -169,7 +165,7 @@ def _torch_dx(g2, packed, scale, gs):
 
 if HAS_TRITON:
     @triton.jit
-    def _e4m3_to_f32(b, factor: tl.constexpr = 256.0):
+    def e4m3_to_f32(b, factor: tl.constexpr = 256.0):
         """uint8 E4M3 bits → float32 values * factor / 256 (exact): as float16 bits shifted left by 7
         they read value * 2^-8."""
         b = b.to(tl.uint16)
@@ -177,29 +173,29 @@ if HAS_TRITON:
         return h.to(tl.float16, bitcast=True).to(tl.float32) * factor
 
     @triton.jit
-    def _e2m1_to_f32(c):
+    def e2m1_to_f32(c):
         """E2M1 codes (uint16, 0..15) → float32 e2m1 * 2^-14 (exact, via float16 bits; 0.5 is subnormal)."""
         h = ((c & 0x7) << 9) | ((c & 0x8) << 12)
         return h.to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
-    def _decode_plain(p, sb, DTYPE: tl.constexpr):
+    def decode_plain(p, sb, DTYPE: tl.constexpr):
         """Packed bytes p (BN, BK/16, 8) and their blocks' E4M3 scale bytes sb (BN, BK/16) → (lo, hi), the
         weights of even and odd k (the low and high nibbles), each (BN, BK/16, 8) and exactly
         e2m1 * s * 2^-8: (e2m1 * 2^-14) * (s * 2^6). DTYPE is the kernel's dot dtype; this decode works in
         fp32 whatever it is. engine/ptx.py's decode_ptx keeps this contract in a few PTX instructions."""
-        s = _e4m3_to_f32(sb, 16384.0)[:, :, None]  # (BN, BK/16, 1): scale * 2^6
+        s = e4m3_to_f32(sb, 16384.0)[:, :, None]  # (BN, BK/16, 1): scale * 2^6
         c = p.to(tl.uint16)
-        lo = _e2m1_to_f32(c & 0xF) * s  # (BN, BK/16, 8) codes of even k
-        hi = _e2m1_to_f32(c >> 4) * s  # odd k
+        lo = e2m1_to_f32(c & 0xF) * s  # (BN, BK/16, 8) codes of even k
+        hi = e2m1_to_f32(c >> 4) * s  # odd k
         return lo, hi
 
     @triton.jit
-    def _w_pairs(wp_ptr, ws_ptr, stride_wn, stride_sn, rows, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, DECODE: tl.constexpr, DTYPE: tl.constexpr):
+    def w_pairs(wp_ptr, ws_ptr, stride_wn, stride_sn, rows, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                EVEN_K: tl.constexpr, DECODE: tl.constexpr, DTYPE: tl.constexpr):
         """W[rows, k0:k0+BLOCK_K] as exact e2m1 * scale * 2^-8 in DTYPE, split by parity, as stored:
         (lo, hi), each (BLOCK_N, BLOCK_K/2), lo[:, j] = W[:, k0 + 2j] and hi[:, j] = W[:, k0 + 2j + 1].
-        DECODE: the decode function (_decode_plain, or the engine's PTX one)."""
+        DECODE: the decode function (decode_plain, or the engine's PTX one)."""
         kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
         p_ptrs = wp_ptr + rows[:, None] * stride_wn + kb[None, :]  # (BN, BK/2) bytes, 2 codes each
@@ -220,11 +216,11 @@ if HAS_TRITON:
     def _w_tile(wp_ptr, ws_ptr, stride_wn, stride_sn, rows, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 EVEN_K: tl.constexpr, DECODE: tl.constexpr, DTYPE: tl.constexpr):
         """W[rows, k0:k0+BLOCK_K] in natural order: (BLOCK_N, BLOCK_K)."""
-        lo, hi = _w_pairs(wp_ptr, ws_ptr, stride_wn, stride_sn, rows, k0, K, BLOCK_N, BLOCK_K, EVEN_K, DECODE, DTYPE)
+        lo, hi = w_pairs(wp_ptr, ws_ptr, stride_wn, stride_sn, rows, k0, K, BLOCK_N, BLOCK_K, EVEN_K, DECODE, DTYPE)
         return tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))  # k = 2 * byte + nibble
 
     @triton.jit
-    def _scale_bias(acc, rows, gs_ptr, bias_ptr, GS_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr):
+    def scale_bias(acc, rows, gs_ptr, bias_ptr, GS_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr):
         """Sums of x * (W * g / 256) → outputs in fp32: times 256/g (g per tensor or per output row), plus
         the bias. rows: output-row indices broadcastable to acc, all in range."""
         if GS_PER_ROW:
@@ -236,16 +232,17 @@ if HAS_TRITON:
         return acc
 
     @triton.jit
-    def _finish(acc, offs_m, offs_n, pid_k, gs_ptr, bias_ptr, y_ptr, part_ptr, M, N, stride_ym,
-                SPLIT_K: tl.constexpr, GS_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr):
-        """acc (BM, BN) fp32 sums of x * (W * g / 256): scale by 256/g, add bias, store (or store the
-        split-K partial for _splitk_reduce)."""
+    def finish_tile(acc, offs_m, offs_n, pid_k, gs_ptr, bias_ptr, y_ptr, part_ptr, M, N, stride_ym,
+                    SPLIT_K: tl.constexpr, GS_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """acc (BM, BN) fp32 sums of x * (W * g / 256) of output rows offs_m and columns offs_n: scale by
+        256/g, add bias, store in y's dtype (or, with SPLIT_K > 1, store split pid_k's fp32 partial for
+        splitk_reduce)."""
         mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
         if SPLIT_K > 1:
             ptrs = part_ptr + (pid_k * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
             tl.store(ptrs, acc, mask=mask)
         else:
-            acc = _scale_bias(acc, (offs_n % N)[None, :], gs_ptr, bias_ptr, GS_PER_ROW, HAS_BIAS)
+            acc = scale_bias(acc, (offs_n % N)[None, :], gs_ptr, bias_ptr, GS_PER_ROW, HAS_BIAS)
             ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
             tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -286,8 +283,8 @@ if HAS_TRITON:
             else:
                 x = tl.load(x_rows + kk[None, :], mask=kk[None, :] < K, other=0.0)
             acc = tl.dot(x.to(DTYPE), tl.trans(w), acc, input_precision=PRECISION)  # (BM, BN)
-        _finish(acc, offs_m, offs_n, pid_k, gs_ptr, bias_ptr, y_ptr, part_ptr, M, N, stride_ym,
-                SPLIT_K, GS_PER_ROW, HAS_BIAS)
+        finish_tile(acc, offs_m, offs_n, pid_k, gs_ptr, bias_ptr, y_ptr, part_ptr, M, N, stride_ym,
+                    SPLIT_K, GS_PER_ROW, HAS_BIAS)
 
     @triton.jit
     def _splitk_reduce_kernel(part_ptr, gs_ptr, bias_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.constexpr,
@@ -299,7 +296,7 @@ if HAS_TRITON:
         acc = tl.zeros((BLOCK,), tl.float32)
         for s in tl.static_range(SPLIT_K):
             acc += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0)
-        acc = _scale_bias(acc, n, gs_ptr, bias_ptr, GS_PER_ROW, HAS_BIAS)  # (n = offs % N is in range)
+        acc = scale_bias(acc, n, gs_ptr, bias_ptr, GS_PER_ROW, HAS_BIAS)  # (n = offs % N is in range)
         tl.store(y_ptr + m.to(tl.int64) * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -343,7 +340,7 @@ if HAS_TRITON:
 TILED_PLAN = dict(kernel="tiled", BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=4, SPLIT_K=1, num_warps=4, num_stages=2)
 
 
-def _interpreted(kernel, device):
+def launchable(kernel, device):
     """`kernel`, or a clear error where it cannot run: on CPU tensors only Triton's interpreter runs
     kernels, and triton reads TRITON_INTERPRET once, when it is first imported."""
     if device.type == "cpu" and type(kernel).__name__ != "InterpretedFunction":
@@ -356,19 +353,20 @@ def _tl_dtype(dtype):
     return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
 
 
-def _launch_opts(plan):
+def launch_opts(plan):
+    """A plan's launch options (num_warps, num_stages), for a kernel's [grid](...) call."""
     return {k: plan[k] for k in ("num_warps", "num_stages") if k in plan}
 
 
-def _chunk(K, parts, bk):
+def k_chunk(K, parts, bk):
     """The width of each of `parts` K ranges, rounded up to whole blocks of bk (so the last ranges may
     be short, or empty)."""
     return triton.cdiv(triton.cdiv(K, parts), bk) * bk
 
 
-def _split_k(K, parts, bk):
+def split_k(K, parts, bk):
     """(splits, width): K in `parts` ranges of whole blocks of bk, fewer where the last would be empty."""
-    k_split = _chunk(K, parts, bk)
+    k_split = k_chunk(K, parts, bk)
     return triton.cdiv(K, k_split), k_split
 
 
@@ -377,10 +375,10 @@ def _tile_opts(x, decode):
     as raw bits, so on CPU the tiles are dotted in fp32: the same exact products, accumulated in fp32 as
     the tensor cores do."""
     tdt = _tl_dtype(x.dtype) if x.is_cuda else tl.float32
-    return dict(DTYPE=tdt, PRECISION="ieee" if tdt == tl.float32 else "tf32", DECODE=decode or _decode_plain)
+    return dict(DTYPE=tdt, PRECISION="ieee" if tdt == tl.float32 else "tf32", DECODE=decode or decode_plain)
 
 
-def _splitk_reduce(part, gs, bias, y):
+def splitk_reduce(part, gs, bias, y):
     """y = the split-K partials part (S, M, N) summed in order, times 256/g, plus the bias."""
     M, N = y.shape
     block = 1024
@@ -391,7 +389,7 @@ def _splitk_reduce(part, gs, bias, y):
 
 def tiled_linear(x2, packed, scale_u8, gs, bias, plan=None, decode=None):
     """y (M, N) = x2 (M, K) @ W^T (+ bias) with the tiled kernel. plan: its tiles and split (TILED_PLAN by
-    default); decode: the decode function (_decode_plain by default)."""
+    default); decode: the decode function (decode_plain by default)."""
     plan = plan or TILED_PLAN
     M, K = x2.shape
     N = packed.shape[0]
@@ -399,16 +397,16 @@ def tiled_linear(x2, packed, scale_u8, gs, bias, plan=None, decode=None):
     if M == 0:
         return y
     bk = plan["BLOCK_K"]
-    split, k_split = _split_k(K, plan.get("SPLIT_K", 1), bk)
+    split, k_split = split_k(K, plan.get("SPLIT_K", 1), bk)
     part = torch.empty(split, M, N, dtype=torch.float32, device=x2.device) if split > 1 else y  # fp32 partials
     grid = (triton.cdiv(M, plan["BLOCK_M"]) * triton.cdiv(N, plan["BLOCK_N"]), split)
-    _interpreted(_tiled_kernel, x2.device)[grid](
+    launchable(_tiled_kernel, x2.device)[grid](
         x2, packed, scale_u8, gs, bias if bias is not None else gs, y, part, M, N, K, x2.stride(0), y.stride(0),
         packed.stride(0), scale_u8.stride(0), k_split, BLOCK_M=plan["BLOCK_M"], BLOCK_N=plan["BLOCK_N"], BLOCK_K=bk,
         GROUP_M=plan["GROUP_M"], SPLIT_K=split, GS_PER_ROW=gs.numel() > 1, HAS_BIAS=bias is not None,
-        EVEN_K=k_split * split == K, **_tile_opts(x2, decode), **_launch_opts(plan))
+        EVEN_K=k_split * split == K, **_tile_opts(x2, decode), **launch_opts(plan))
     if split > 1:
-        _splitk_reduce(part, gs, bias, y)
+        splitk_reduce(part, gs, bias, y)
     return y
 
 
@@ -422,10 +420,10 @@ def tiled_dx(g2, packed, scale_u8, gs, plan=None, decode=None):
         return dx
     bm, bn, bk = plan["BLOCK_M"], plan["BLOCK_N"], plan["BLOCK_K"]
     grid = (triton.cdiv(M, bm) * triton.cdiv(K, bk),)
-    _interpreted(_tiled_dx_kernel, g2.device)[grid](
+    launchable(_tiled_dx_kernel, g2.device)[grid](
         g2, packed, scale_u8, gs, dx, M, N, K, g2.stride(0), dx.stride(0), packed.stride(0), scale_u8.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=plan["GROUP_M"], GS_PER_ROW=gs.numel() > 1, EVEN_N=N % bn == 0,
-        EVEN_K=K % bk == 0, **_tile_opts(g2, decode), **_launch_opts(plan))
+        EVEN_K=K % bk == 0, **_tile_opts(g2, decode), **launch_opts(plan))
     return dx
 
 
@@ -434,16 +432,17 @@ def tiled_dx(g2, packed, scale_u8, gs, plan=None, decode=None):
 # =============================================================================================
 
 @functools.lru_cache(maxsize=None)
-def _engine():
-    """engine/plan.py, imported on first use (only a GPU, or a kernel pinned to the engine, gets here);
-    None where this file travels without its engine/ folder. (Cached: asked on every call of a layer.)"""
+def _engine(part="plan"):
+    """engine/<part>.py (plan: the per-shape kernels; fp8: the FP8 tensor-core products), imported on first
+    use (only a GPU, a kernel pinned to the engine, or fp8_tensor_cores gets here); None where this file
+    travels without its engine/ folder, or without the Triton that the engine needs. (Cached: asked on
+    every call of a layer.)"""
     try:
-        from engine import plan
+        return importlib.import_module(f"engine.{part}")
     except ModuleNotFoundError as e:
-        if e.name not in ("engine", "engine.plan"):
+        if e.name not in ("engine", f"engine.{part}", "triton"):
             raise
         return None
-    return plan
 
 
 def _to_engine(x):
@@ -452,11 +451,11 @@ def _to_engine(x):
     return (x.is_cuda or _choice["kernel"] not in (None, "tiled")) and _engine() is not None
 
 
-@functools.lru_cache(maxsize=None)
-def _fp8():
-    """engine/fp8.py, for fp8_tensor_cores (imported on first use)."""
-    from engine import fp8
-    return fp8
+def fp8_supported(device):
+    """Whether fp8_tensor_cores can run on `device` (engine/fp8.py's `supported`: FP8 tensor cores on a GPU,
+    a torch._scaled_mm with one scale a row on the CPU); False without the engine."""
+    fp8 = _engine("fp8")
+    return fp8 is not None and fp8.supported(device)
 
 
 def _triton_linear(x2, packed, scale_u8, gs, bias):
@@ -480,7 +479,9 @@ def _triton_dx(g2, packed, scale_u8, gs):
 # data-dependent allocations, configs fixed per shape (no autotuning at run time). Compile (warm up)
 # each shape once before capturing a graph.
 
-def _check(x, packed, scale, gs):
+def check_operands(x, packed, scale, gs):
+    """ValueError unless x (..., K) and the stored weight (packed (N, K/2), scale (N, K/16), global scale
+    (1,) or (N,)) fit together."""
     n, k = packed.shape[0], packed.shape[1] * 2
     if x.shape[-1] != k or scale.shape != (n, k // nvfp4.BLOCK) or gs.numel() not in (1, n):
         raise ValueError(f"fp4_linear: x {tuple(x.shape)} against packed {tuple(packed.shape)}, scale "
@@ -490,16 +491,16 @@ def _check(x, packed, scale, gs):
 @torch.library.custom_op("qerl::fp4_linear", mutates_args=())
 def _fp4_linear_op(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
                    bias: Optional[torch.Tensor]) -> torch.Tensor:
-    _check(x, packed, scale, global_scale)
+    check_operands(x, packed, scale, global_scale)
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     if _choice["fp8"]:  # (fp8_tensor_cores: the update with --fp8-update)
-        y = _fp8().linear(x2, packed, scale.view(torch.uint8), global_scale.float(), bias)
-    elif _use_triton(x):
+        y = _engine("fp8").linear(x2, packed, scale.view(torch.uint8), global_scale.float(), bias)
+    elif uses_triton(x.device):
         y = _triton_linear(x2, packed, scale.view(torch.uint8), global_scale.float(), bias)
     else:
-        y = _torch_linear(x2, packed, scale, global_scale, bias)
+        y = torch_linear(x2, packed, scale, global_scale, bias)
     if x.dim() == 2:  # the kernel's own tensor, not a view of it (LoRA adds into it in place)
         return y
     return y.reshape(*x.shape[:-1], packed.shape[0])
@@ -517,11 +518,11 @@ def _fp4_linear_dx_op(grad: torch.Tensor, packed: torch.Tensor, scale: torch.Ten
     if g2.stride(-1) != 1:
         g2 = g2.contiguous()
     if _choice["fp8"]:
-        dx = _fp8().dx(g2, packed, scale.view(torch.uint8), global_scale.float())
-    elif _use_triton(grad):
+        dx = _engine("fp8").dx(g2, packed, scale.view(torch.uint8), global_scale.float())
+    elif uses_triton(grad.device):
         dx = _triton_dx(g2, packed, scale.view(torch.uint8), global_scale.float())
     else:
-        dx = _torch_dx(g2, packed, scale, global_scale)
+        dx = torch_dx(g2, packed, scale, global_scale)
     return dx.reshape(*grad.shape[:-1], packed.shape[1] * 2)
 
 

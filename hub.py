@@ -1,5 +1,5 @@
 """hub.py: where models come from and where outputs go. The bottom of the import graph: it imports
-nothing of the project, so every CLI (nvfp4.py, lora.py, model.py's loaders, train.py, eval.py,
+nothing of the project, so every CLI (nvfp4.py, adapters.py, model.py's loaders, train.py, eval.py,
 tiny.py) can take its resolvers and its output rules from here without an import circle.
 
 Where models come from. `resolve_model_dir` turns what a user names (a local folder, an alias such as

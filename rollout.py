@@ -28,6 +28,10 @@ attention over columns [0, length + T), `advance(T)` moves on):
     decode t     one token per row (N, 1) at column Lp + t − 1, position l_i + t − 1; it attends to
                  its row's valid columns; the logits give token t
 
+Below these are `prefill`, `decode_one_token` and `decode_n_tokens` (the loop: sample, keep, stop,
+shrink, step), joined by `sample`. What a call cost (Rollout.stats) is measured by `Watch`, an observer
+the loop tells when the prefill ends, when the batch shrinks and when it stops.
+
 Shared prompts. A group's n samples continue the same prompt (row r = i·n + j is sample j of prompt
 i), so the prompt is run once, on P rows, and its cache rows are then repeated n times (KVCache.
 repeat_rows) before decoding N = P·n rows. Same result as prefilling N rows, n times less prefill.
@@ -289,78 +293,137 @@ def sampling_setup(prompts, n, max_new_tokens, temperature, top_p, top_k, stop_i
     return prompts, sp, int(seed)
 
 
-@torch.no_grad()
-def sample(model, prompts, n, max_new_tokens, sp, seed, stream=None):
-    """The plain sampler: prefill the distinct prompts once, repeat their cache for the n samples, then
-    one forward a token for all N rows until every row has stopped or max_new_tokens. → Rollout."""
-    dev, P, N = model.device, len(prompts), len(prompts) * n
+def prefill(model, prompts, n, max_new_tokens, pad_id):
+    """The P distinct prompts, left-padded to the longest (Lp), in one forward, their cache rows then
+    repeated for the n samples of each. → (logits (N, V) of each row's first token, the cache (S = Lp +
+    max_new_tokens columns), pos (N,): the position of each row's next token)."""
+    dev, P = model.device, len(prompts)
     lens = torch.tensor([len(p) for p in prompts], device=dev)  # (P,)
     Lp = int(lens.max())
-    tokens = torch.full((P, Lp), sp.pad_id, dtype=torch.int64)
+    tokens = torch.full((P, Lp), pad_id, dtype=torch.int64)
     for i, p in enumerate(prompts):
         tokens[i, Lp - len(p):] = torch.tensor(p)
-    tokens = tokens.to(dev)
     pad = Lp - lens  # (P,) left padding of each prompt
     positions = (torch.arange(Lp, device=dev)[None] - pad[:, None]).clamp(min=0)  # (P, Lp)
-    S = Lp + max_new_tokens
-    cache = KVCache(model.config, P, S, model.dtype, dev)
+    cache = KVCache(model.config, P, Lp + max_new_tokens, model.dtype, dev)
     cache.valid[:, :Lp] = torch.arange(Lp, device=dev)[None] >= pad[:, None]
-
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    t0 = time.perf_counter()
-    h = model.hidden(tokens, positions, cache)[:, -1]  # (P, H): the last column of each prompt
+    h = model.hidden(tokens.to(dev), positions, cache)[:, -1]  # (P, H): the last column of each prompt
     logits = model.lm_head(h).repeat_interleave(n, 0)  # (N, V)
-    cache.repeat_rows(n)
-    pos = lens.repeat_interleave(n)  # (N,) the position of each row's next token
-    sync()
-    t1 = time.perf_counter()
+    return logits, cache.repeat_rows(n), lens.repeat_interleave(n)
 
-    keys = row_keys(seed, torch.arange(N)).to(dev)  # (N,)
+
+def decode_one_token(model, tok, pos, cache):
+    """Token t of every row of the batch (B,) in, at its position pos (B,): one more column of the cache.
+    → the logits (B, V) of token t + 1."""
+    return model.lm_head(model.hidden(tok[:, None], pos[:, None], cache)[:, -1])
+
+
+class Completions:
+    """What the loop writes, for the N rows of the call: tokens (N, max_new_tokens) int64 (pad_id after a
+    row's end), logprobs (N, max_new_tokens) float32 (0 there), lengths (N,), stopped (N,) bool."""
+
+    def __init__(self, N, max_new_tokens, pad_id, device):
+        self.tokens = torch.full((N, max_new_tokens), pad_id, dtype=torch.int64, device=device)
+        self.logprobs = torch.zeros(N, max_new_tokens, dtype=torch.float32, device=device)
+        self.lengths = torch.zeros(N, dtype=torch.int64, device=device)
+        self.stopped = torch.zeros(N, dtype=torch.bool, device=device)
+
+    def add(self, t, batch, done, tok, lp, stops):
+        """Token t (B,) and its logprob lp (B,) of the batch, whose rows are the call's rows `batch`, kept for
+        the rows still sampling (not `done`). → (B,) bool: the rows that stop at this token (it is kept)."""
+        live = batch[~done]
+        self.tokens[live, t] = tok[~done]
+        self.logprobs[live, t] = lp[~done]
+        self.lengths[live] = t + 1
+        hit = torch.isin(tok, stops) & ~done
+        self.stopped[batch[hit]] = True
+        return hit
+
+
+def decode_n_tokens(model, logits, cache, pos, keys, max_new_tokens, sp, stream=None, watch=None):
+    """From the prefill's logits: sample token t of every row and keep it, then one decode step for the
+    logits of token t + 1, until every row has stopped or max_new_tokens. Once the rows still sampling fit
+    in half the batch, the finished ones leave it (their cache rows too). keys (N,): each row's sampling
+    key. → Completions"""
+    N, dev = len(keys), logits.device
+    out = Completions(N, max_new_tokens, sp.pad_id, dev)
     stops = torch.tensor(sp.stop_ids, dtype=torch.int64, device=dev)
-    out_tok = torch.full((N, max_new_tokens), sp.pad_id, dtype=torch.int64, device=dev)  # finished rows: padding
-    out_lp = torch.zeros(N, max_new_tokens, dtype=torch.float32, device=dev)
-    lengths = torch.zeros(N, dtype=torch.int64, device=dev)
-    stopped = torch.zeros(N, dtype=torch.bool, device=dev)
     batch = torch.arange(N, device=dev)  # the row of the call that each row of the batch holds
     done = torch.zeros(N, dtype=torch.bool, device=dev)  # (batch,) rows that have stopped
-    steps = 0
-    shrinks, segments, seg_start, seg_t = [], [], 1, t1  # the same bookkeeping as the engine's (Rollout.stats)
     for t in range(max_new_tokens):
         tok, lp = sample_reference(logits, keys[batch], t, sp.temperature, sp.top_p, sp.top_k)  # token t of each
-        live = batch[~done]
-        out_tok[live, t] = tok[~done]  # (a finished row's columns keep pad_id and logprob 0)
-        out_lp[live, t] = lp[~done]
-        lengths[live] = t + 1
-        hit = torch.isin(tok, stops) & ~done  # rows that stop at this token (it is kept)
-        stopped[batch[hit]] = True
-        done |= hit
-        steps += 1
+        done |= out.add(t, batch, done, tok, lp, stops)
         if stream is not None:
-            stream(t, out_tok[:, t].cpu())
+            stream(t, out.tokens[:, t].cpu())
         if t == max_new_tokens - 1 or bool(done.all()):
             break
         if 2 * int((~done).sum()) <= len(batch):  # the live rows fit in half the batch: the finished ones leave
-            sync()
-            now = time.perf_counter()
-            segments.append((len(batch), steps - seg_start, now - seg_t))  # the forwards run at the old size
-            seg_start, seg_t = steps, now
             keep = ~done
             batch, done, tok, pos = batch[keep], done[keep], tok[keep], pos[keep]
             cache.keep_rows(keep)
-            shrinks.append((t, len(batch)))  # the forwards after token t run this many rows
-        # token t of every row in, at its position: one more column of the cache, the logits of token t + 1
-        logits = model.lm_head(model.hidden(tok[:, None], pos[:, None], cache)[:, -1])  # (batch, V)
+            if watch is not None:
+                watch.moved(t, len(batch))
+        logits = decode_one_token(model, tok, pos, cache)  # (batch, V)
         pos = pos + 1
-    sync()
-    t2 = time.perf_counter()
-    segments.append((len(batch), steps - seg_start, t2 - seg_t))
-    T = int(lengths.max())
-    stats = dict(kernels="torch", graphs=False, capture_s=0.0, rows=N, prefill_rows=P, prompt_len=Lp,
-                 cache_columns=S, prefill="eager", prefill_s=t1 - t0, decode_s=t2 - t1, steps=steps, shrinks=shrinks,
-                 segments=segments)
-    return Rollout(tokens=out_tok[:, :T].clone(), logprobs=out_lp[:, :T].clone(), lengths=lengths,
-                   finish=["stop" if s else "length" for s in stopped.tolist()],
-                   prompt_index=torch.arange(P, device=dev).repeat_interleave(n), stats=stats)
+    if watch is not None:
+        watch.ended(t + 1)
+    return out
+
+
+@torch.no_grad()
+def sample(model, prompts, n, max_new_tokens, sp, seed, stream=None, watch=None):
+    """The plain sampler: prefill the distinct prompts once, then decode all N = P·n rows a token a step.
+    stream(step, tokens (N,)) sees every step; watch (a Watch, optional) the prefill's end, every move to
+    fewer rows and the loop's end. → Rollout (its stats are the watch's business: generate fills them)."""
+    logits, cache, pos = prefill(model, prompts, n, max_new_tokens, sp.pad_id)
+    if watch is not None:
+        watch.prefilled()
+    keys = row_keys(seed, torch.arange(len(pos))).to(model.device)  # (N,)
+    out = decode_n_tokens(model, logits, cache, pos, keys, max_new_tokens, sp, stream, watch)
+    T = int(out.lengths.max())
+    return Rollout(tokens=out.tokens[:, :T].clone(), logprobs=out.logprobs[:, :T].clone(), lengths=out.lengths,
+                   finish=["stop" if s else "length" for s in out.stopped.tolist()],
+                   prompt_index=torch.arange(len(prompts), device=model.device).repeat_interleave(n))
+
+
+# ---------------------------------------------------------------------------------------------
+# Bookkeeping: what Rollout.stats reports of a call, watched from outside the loop
+# ---------------------------------------------------------------------------------------------
+
+class Watch:
+    """An observer of the plain sampler that measures what the engine reports of its own calls (Rollout.
+    stats; engine/decode.py): the prefill's and the decode's time, the steps, and how the batch shrank.
+    sample() tells it when the prefill is done, when the batch moved to fewer rows after sampling token
+    t, and when the loop ended; on a GPU each of those waits for the device, so the times are the work's."""
+
+    def __init__(self, device, prompts, n, max_new_tokens):
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        Lp = max(len(p) for p in prompts)
+        self.rows = len(prompts) * n
+        self.stats = dict(kernels="torch", graphs=False, capture_s=0.0, rows=self.rows, prefill_rows=len(prompts),
+                          prompt_len=Lp, cache_columns=Lp + max_new_tokens, prefill="eager", shrinks=[], segments=[])
+        self.start = time.perf_counter()
+
+    def _now(self):
+        self.sync()
+        return time.perf_counter()
+
+    def prefilled(self):
+        self.decode_start = self.segment_start = self._now()
+        self.stats["prefill_s"] = self.decode_start - self.start
+        self.segment_step = 1  # a segment runs (steps − segment_step) forwards: step 0 samples the prefill's logits
+
+    def moved(self, t, rows):
+        """After sampling token t the live rows moved to a batch of `rows`: the forwards so far ran the old size."""
+        now = self._now()
+        self.stats["segments"].append((self.rows, t + 1 - self.segment_step, now - self.segment_start))
+        self.stats["shrinks"].append((t, rows))
+        self.rows, self.segment_step, self.segment_start = rows, t + 1, now
+
+    def ended(self, steps):
+        now = self._now()
+        self.stats["segments"].append((self.rows, steps - self.segment_step, now - self.segment_start))
+        self.stats.update(decode_s=now - self.decode_start, steps=steps)
 
 
 def uses_engine(model, kernels):
@@ -404,17 +467,25 @@ def generate(model, prompts, *, n=1, max_new_tokens=256, temperature=1.0, top_p=
     was_training = model.training
     model.eval()
     try:
-        return sample(model, prompts, n, max_new_tokens, sp, seed, stream)
+        watch = Watch(model.device, prompts, n, max_new_tokens)
+        r = sample(model, prompts, n, max_new_tokens, sp, seed, stream, watch)
     finally:
         model.train(was_training)
+    r.stats = watch.stats
+    return r
+
+
+ENGINE_STATE = "_rollout_decoder"  # the attribute of a model where the engine keeps its decoder between calls
 
 
 def release(model):
     """Drop what the engine keeps on `model` between calls (KV caches, CUDA graphs, LoRA buffers)."""
-    dec = model.__dict__.pop("_rollout_decoder", None)
-    if dec is not None and model.device.type == "cuda":
-        del dec
-        torch.cuda.empty_cache()
+    dec = getattr(model, ENGINE_STATE, None)
+    if dec is not None:
+        delattr(model, ENGINE_STATE)
+        if model.device.type == "cuda":
+            del dec
+            torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------------------------

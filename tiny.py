@@ -375,12 +375,12 @@ def measure(out, held, samples, device):
     """Held-out accuracy of the saved checkpoint through the project's own stack (model.py, NVFP4 via
     fp4_gemm, rollout.generate, tasks.grade), unquantized and NVFP4: greedy, and pass@1 / pass@K at
     temperature 1 from K samples."""
+    import adapters
     import eval as evaluation
-    import lora
 
     final = {}
     for quant in ("bf16", "nvfp4"):
-        m, tok = lora.load_policy(str(out), None, quant, device)
+        m, tok = adapters.load_policy(str(out), None, quant, device)
         kw = dict(max_new_tokens=64, batch_size=512, seed=1)
         greedy = evaluation.evaluate(m, tok, held, "gsm8k", samples=1, temperature=0.0, top_p=1.0, **kw)
         t1 = evaluation.evaluate(m, tok, held, "gsm8k", samples=samples, temperature=1.0, top_p=1.0, **kw)

@@ -839,13 +839,18 @@ def _fingerprint(model):
                  if ".lora_" not in n)
 
 
+def decoder_of(model):
+    """The Decoder the engine keeps on `model` between calls (rollout.ENGINE_STATE), or None."""
+    return getattr(model, rollout.ENGINE_STATE, None)
+
+
 def _decoder(model, kernels, graphs):
-    dec = model.__dict__.get("_rollout_decoder")
+    dec = decoder_of(model)
     if dec is None or dec.opts != (kernels, graphs) or dec.fingerprint != _fingerprint(model) \
             or dec.device != model.device or dec.dtype != model.dtype:
         rollout.release(model)
         dec = Decoder(model, kernels, graphs)
-        model.__dict__["_rollout_decoder"] = dec
+        setattr(model, rollout.ENGINE_STATE, dec)
     return dec
 
 

@@ -26,12 +26,34 @@ past the default path's, and past what AQN's noise adds: results/fp8_update.md).
   is the same W8, which the dequant kernel writes transposed for this product (cuBLAS wants its second
   operand column-major).
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 E4M3_MAX = 448.0  # E4M3's largest finite value (float8_e4m3fn)
 TINY = 1e-30  # a row of zeros gets this amax (and quantizes to zeros)
+
+
+def supported(device):
+    """Whether these products can run on `device` (fp4_gemm.fp8_supported asks): a GPU with FP8 tensor cores
+    (compute capability 8.9 and up), or the CPU where this torch's torch._scaled_mm takes one scale a row
+    (slow: for the tests and the tiny run; older CPU builds take one scale a tensor only, so this asks the
+    build in hand)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cpu" and _cpu_rowwise_scaled_mm()
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_rowwise_scaled_mm():
+    a = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except (RuntimeError, TypeError, AttributeError):
+        return False
+    return True
 
 
 @triton.jit

@@ -56,7 +56,7 @@ def k_ordered(x2, bk, out=None):
     out = torch.empty(M, K, dtype=x2.dtype, device=x2.device) if out is None else out
     if M:
         block = 1024
-        fp4_gemm._interpreted(_k_order_kernel, x2.device)[(triton.cdiv(K, block) * M,)](
+        fp4_gemm.launchable(_k_order_kernel, x2.device)[(triton.cdiv(K, block) * M,)](
             x2, out, M, K, *x2.stride(), BK=bk, BLOCK=block, num_warps=4, **pdl_opts(x2.device))
     return out
 
@@ -97,7 +97,7 @@ def x_k_order(M, q, dtype, device):
     from engine import plan as engine_plan  # (here, not at the top: engine/plan.py imports this module)
 
     N, K = q.packed.shape[0], q.packed.shape[1] * 2
-    if device.type != "cuda" or fp4_gemm._choice["backend"] == "torch":
+    if device.type != "cuda" or not fp4_gemm.uses_triton(device):
         return 0, M
     plan = engine_plan.plan_forward(M, N, K, dtype, device)
     if not (_k_step_of(plan) and engine_plan._tma_fits(q.packed, q.scale.view(torch.uint8))):
@@ -111,5 +111,5 @@ def fp4_linear_k_ordered(x, q, bias=None):
     decode step."""
     from engine import plan as engine_plan  # (here, not at the top: engine/plan.py imports this module)
 
-    fp4_gemm._check(x, q.packed, q.scale, q.global_scale)
+    fp4_gemm.check_operands(x, q.packed, q.scale, q.global_scale)
     return engine_plan.linear(x, q.packed, q.scale.view(torch.uint8), q.global_scale.float(), bias, x_k_ordered=True)

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from engine.pdl import pdl_launch_next, pdl_wait
 from engine.ptx import _ASM_MMA, _ASM_WORD, _MMA_CONSTRAINTS
-from fp4_gemm import _decode_plain, _e2m1_to_f32, _e4m3_to_f32, _finish, _scale_bias, _w_pairs
+from fp4_gemm import decode_plain, e2m1_to_f32, e4m3_to_f32, finish_tile, scale_bias, w_pairs
 
 
 @triton.jit
@@ -130,21 +130,21 @@ def _gemv_kernel(x_ptr, wp_ptr, ws_ptr, gs_ptr, bias_ptr, y_ptr, part_ptr, M, N,
             # one fp32 multiply-add chain per word (left to right, so each + fuses into an FFMA)
             part = _f16lo(p04) * x0 + _f16lo(p15) * x1 + _f16lo(p26) * x2 + _f16lo(p37) * x3 + \
                 _f16hi(p04) * x4 + _f16hi(p15) * x5 + _f16hi(p26) * x6 + _f16hi(p37) * x7  # (BN, BK/16, 2)
-            acc += tl.sum(part, axis=2) * _e4m3_to_f32(sb, 16384.0)  # (e2m1 2^-14)(s 2^6) = e2m1 s 2^-8
+            acc += tl.sum(part, axis=2) * e4m3_to_f32(sb, 16384.0)  # (e2m1 2^-14)(s 2^6) = e2m1 s 2^-8
         out = tl.sum(acc, axis=1)[None, :]  # (1, BN)
     else:
         acc_e = tl.zeros((BLOCK_N, BLOCK_K // 2), tl.float32)
         acc_o = tl.zeros((BLOCK_N, BLOCK_K // 2), tl.float32)
         for k0 in range(k_lo, k_lo + k_split, BLOCK_K):
-            lo, hi = _w_pairs(wp_ptr, ws_ptr, stride_wn, stride_sn, rows, k0, K, BLOCK_N, BLOCK_K, EVEN_K,
-                              _decode_plain, tl.float32)  # (BN, BK/2) each
+            lo, hi = w_pairs(wp_ptr, ws_ptr, stride_wn, stride_sn, rows, k0, K, BLOCK_N, BLOCK_K, EVEN_K,
+                             decode_plain, tl.float32)  # (BN, BK/2) each
             xe, xo = _x_pairs(x_rows, k0, K, BLOCK_K, EVEN_K, X16, X_IS_BF16)  # (1, BK/2) each
             acc_e += lo * xe
             acc_o += hi * xo
         out = tl.sum(acc_e + acc_o, axis=1)[None, :]  # (1, BN)
     offs_m = pid_m + tl.arange(0, 1)
-    _finish(out, offs_m, offs_n, pid_k, gs_ptr, bias_ptr, y_ptr, part_ptr, M, N, stride_ym,
-            SPLIT_K, GS_PER_ROW, HAS_BIAS)
+    finish_tile(out, offs_m, offs_n, pid_k, gs_ptr, bias_ptr, y_ptr, part_ptr, M, N, stride_ym,
+                SPLIT_K, GS_PER_ROW, HAS_BIAS)
 
 
 # ---- a small dense product riding along: x (a few rows) @ A^T for a LoRA A ---------------------
@@ -210,13 +210,13 @@ def _mma_rows_reference(q, s, xv, HALF: tl.constexpr, NUM_WARPS: tl.constexpr, R
     lo_h0, lo_h1 = tl.split(s_lo)
     hi_h0, hi_h1 = tl.split(s_hi)
     if HALF:
-        sc = tl.join(_e4m3_to_f32(lo_h1, 16384.0), _e4m3_to_f32(hi_h1, 16384.0))  # (R, L, 2): * 2^6
+        sc = tl.join(e4m3_to_f32(lo_h1, 16384.0), e4m3_to_f32(hi_h1, 16384.0))  # (R, L, 2): * 2^6
     else:
-        sc = tl.join(_e4m3_to_f32(lo_h0, 16384.0), _e4m3_to_f32(hi_h0, 16384.0))
+        sc = tl.join(e4m3_to_f32(lo_h0, 16384.0), e4m3_to_f32(hi_h0, 16384.0))
     sc = tl.reshape(tl.broadcast_to(tl.reshape(sc, (ROW_TILES, 32 * NUM_WARPS, 2, 1)),
                                     (ROW_TILES, 32 * NUM_WARPS, 2, 2)), (ROW_TILES, 32 * NUM_WARPS, 4, 1))
     i = tl.arange(0, 8)[None, None, None, :]
-    wv = _e2m1_to_f32(((q[:, :, :, None] >> (4 * i)) & 0xF).to(tl.uint16)) * sc  # (R, L, 4, 8): k = 8 w + i
+    wv = e2m1_to_f32(((q[:, :, :, None] >> (4 * i)) & 0xF).to(tl.uint16)) * sc  # (R, L, 4, 8): k = 8 w + i
     wv = tl.reshape(wv, (ROW_TILES * NUM_WARPS, 8, 128))  # (tile, row g, k = 32 t + 8 w + i)
     xb = tl.reshape(tl.broadcast_to(xv[None, :, :, :], (ROW_TILES, NUM_WARPS, 8, 128)), (ROW_TILES * NUM_WARPS, 8, 128))
     p = tl.sum(wv[:, :, None, :] * xb[:, None, :, :], axis=3)  # (tile, row g, token)
@@ -386,6 +386,6 @@ def _mma_kernel(x_ptr, wp_ptr, ws_ptr, gs_ptr, bias_ptr, y_ptr, part_ptr, lock_p
                 acc += tl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(lock_ptr + out_tile, 0, sem="relaxed", scope="gpu")
     if last:
-        acc = _scale_bias(acc, rows % N, gs_ptr, bias_ptr, GS_PER_ROW, HAS_BIAS)
+        acc = scale_bias(acc, rows % N, gs_ptr, bias_ptr, GS_PER_ROW, HAS_BIAS)
         tl.store(y_ptr + toks.to(tl.int64) * stride_ym + rows, acc.to(y_ptr.dtype.element_ty), mask=mask)
 

@@ -24,8 +24,8 @@ from engine import wgmma as wgmma_kernels
 from engine.mma import _gemv_kernel, _mma_kernel
 from engine.korder import _k_step_of, _x_rows, k_ordered
 from engine.pdl import capability, pdl_opts
-from fp4_gemm import (_chunk, _choice, _decode_plain, _e2m1_to_f32, _e4m3_to_f32, _interpreted, _launch_opts,
-                      _split_k)
+from fp4_gemm import (decode_plain, e2m1_to_f32, e4m3_to_f32, k_chunk, launch_opts, launchable, pinned_kernel,
+                      split_k)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -39,7 +39,7 @@ def plan_forward(M, N, K, dtype, device, mma=True):
     per shape, so nothing is tuned at run time (CUDA-graph and torch.compile safe). Returns a dict
     whose "kernel" is "mma", "gemv", "wgmma", "tiled" or "dequant". mma=False: a plan without the mma
     and wgmma kernels (for packed codes they cannot read as aligned words)."""
-    kernel = _choice["kernel"]
+    kernel = pinned_kernel()
     wgmma = mma and _wgmma_runs(K, dtype, device)
     mma = mma and dtype != torch.float32 and K % 64 == 0
     if (kernel == "mma" and not mma) or (kernel == "wgmma" and not wgmma):
@@ -223,7 +223,7 @@ def _is_hopper(device):
 def plan_dx(M, N, K, dtype, device):
     """Kernel and config for dX (M, K) = dY (M, N) @ W. The training pass has M in the thousands, where
     dequant + cuBLAS measured best (results/fp4_gemm_h200.md); the tiled kernel serves small M."""
-    kernel = _choice["kernel"]
+    kernel = pinned_kernel()
     if device.type == "cpu":
         if kernel == "dequant":
             return dict(kernel="dequant")
@@ -255,10 +255,10 @@ def _dequant_kernel(wp_ptr, ws_ptr, gs_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr
         g = tl.load(gs_ptr + rows)[:, None]
     else:
         g = tl.load(gs_ptr)
-    bs = tl.math.div_rn(_e4m3_to_f32(sb), g)  # (BN, BK/16), IEEE division as torch's
+    bs = tl.math.div_rn(e4m3_to_f32(sb), g)  # (BN, BK/16), IEEE division as torch's
     c = tl.reshape(p, (BLOCK_N, BLOCK_K // 16, 8)).to(tl.uint16)
-    lo = (_e2m1_to_f32(c & 0xF) * 16384.0) * bs[:, :, None]  # (BN, BK/16, 8) even k, exact e2m1 * bs
-    hi = (_e2m1_to_f32(c >> 4) * 16384.0) * bs[:, :, None]  # odd k
+    lo = (e2m1_to_f32(c & 0xF) * 16384.0) * bs[:, :, None]  # (BN, BK/16, 8) even k, exact e2m1 * bs
+    hi = (e2m1_to_f32(c >> 4) * 16384.0) * bs[:, :, None]  # odd k
     w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
     if E4M3:
         w = round_e4m3(w)
@@ -277,7 +277,7 @@ def dequantize_triton(packed, scale_u8, gs, dtype, cfg=None, transpose=False):
     n, k = packed.shape[0], packed.shape[1] * 2
     out = torch.empty((k, n) if transpose else (n, k), dtype=dtype, device=packed.device)
     bn, bk, warps = cfg or ((64, 64, 4) if transpose else (16, 256, 4) if packed.is_cuda else (32, 64, 4))
-    _interpreted(_dequant_kernel, packed.device)[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
+    launchable(_dequant_kernel, packed.device)[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
         packed, scale_u8, gs, out, n, k, BLOCK_N=bn, BLOCK_K=bk, GS_PER_ROW=gs.numel() > 1,
         E4M3=dtype == torch.float8_e4m3fn, TRANSPOSE=transpose, num_warps=warps)
     return out
@@ -327,8 +327,8 @@ def _mma_fits(x2, packed):
 
 
 def _small_split(K, bk=256):
-    """_split_k for small_linear: a range per block of bk, at most 32 ranges (tens of programs share A)."""
-    return _split_k(K, min(32, triton.cdiv(K, bk)), bk)
+    """split_k for small_linear: a range per block of bk, at most 32 ranges (tens of programs share A)."""
+    return split_k(K, min(32, triton.cdiv(K, bk)), bk)
 
 
 def _side_outputs(x2, SR, split):
@@ -425,7 +425,7 @@ def _tile_decode(x2, plan):
     """fp4_gemm's tiled kernels decode with the PTX block on the GPU (16-bit x); the plan key asm=False
     keeps the plain decode (the tests compare the two)."""
     asm = plan.get("asm", True) and x2.is_cuda and x2.dtype in (torch.bfloat16, torch.float16)
-    return ptx.decode_ptx if asm else _decode_plain
+    return ptx.decode_ptx if asm else decode_plain
 
 
 def linear(x2, packed, scale_u8, gs, bias, plan=None, constant_weight=False, x_k_ordered=False):
@@ -461,7 +461,7 @@ def _mma_linear(x2, packed, scale_u8, gs, bias, plan, side=None, constant_weight
     M, K = x2.shape
     N = packed.shape[0]
     y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
-    split, k_split = _split_k(K, plan.get("SPLIT_K", 1), 256)  # (the mma kernel's k-step is 256)
+    split, k_split = split_k(K, plan.get("SPLIT_K", 1), 256)  # (the mma kernel's k-step is 256)
     part = torch.empty(split, M, N, dtype=torch.float32, device=x2.device) if split > 1 else y
     nw, rt = plan["num_warps"], plan["ROW_TILES"]
     n_w = triton.cdiv(N, 16 * nw * rt)
@@ -472,10 +472,10 @@ def _mma_linear(x2, packed, scale_u8, gs, bias, plan, side=None, constant_weight
     if side is not None:
         sr, cols = side.shape[0], triton.cdiv(_small_split(K)[0], split)
         sside = cols * split
-        sk = _chunk(K, sside, 256)
+        sk = k_chunk(K, sside, 256)
         sa, (sout, spart) = side.contiguous(), _side_outputs(x2, sr, sside)
         grid[0] += triton.cdiv(sr, 16) * cols
-    _interpreted(_mma_kernel, x2.device)[tuple(grid)](
+    launchable(_mma_kernel, x2.device)[tuple(grid)](
         x2, packed, scale_u8, gs, bias if bias is not None else gs, y, part, _locks(x2.device, grid[0] * grid[1]),
         M, N, K, x2.stride(0) // 2, y.stride(0), packed.stride(0) // 4, scale_u8.stride(0), k_split, sa, sout, spart,
         sr, n_w, sk, ROW_TILES=rt, NUM_WARPS=nw, EVEN_K=K % 256 == 0 and k_split % 256 == 0,
@@ -492,19 +492,19 @@ def _gemv_linear(x2, packed, scale_u8, gs, bias, plan):
     N = packed.shape[0]
     y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     bk = plan["BLOCK_K"]
-    split, k_split = _split_k(K, plan.get("SPLIT_K", 1), bk)
+    split, k_split = split_k(K, plan.get("SPLIT_K", 1), bk)
     part = torch.empty(split, M, N, dtype=torch.float32, device=x2.device) if split > 1 else y
     grid = (triton.cdiv(N, plan["BLOCK_N"]), M, split)
     # On the GPU the decode is the PTX on 32-bit words (whatever x's dtype); the interpreter runs the
     # plain Triton decode.
-    _interpreted(_gemv_kernel, x2.device)[grid](
+    launchable(_gemv_kernel, x2.device)[grid](
         x2, packed, scale_u8, gs, bias if bias is not None else gs, y, part, M, N, K, x2.stride(0), y.stride(0),
         packed.stride(0), scale_u8.stride(0), k_split, BLOCK_N=plan["BLOCK_N"], BLOCK_K=bk, X16=_pairs_aligned(x2),
         X_IS_BF16=x2.dtype == torch.bfloat16, USE_ASM=plan.get("asm", True) and x2.is_cuda and _words_aligned(packed),
         EVEN_K=k_split * split == K, SPLIT_K=split, GS_PER_ROW=gs.numel() > 1, HAS_BIAS=bias is not None,
-        **_launch_opts(plan))
+        **launch_opts(plan))
     if split > 1:
-        fp4_gemm._splitk_reduce(part, gs, bias, y)
+        fp4_gemm.splitk_reduce(part, gs, bias, y)
     return y
 
 

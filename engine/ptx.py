@@ -4,7 +4,7 @@ Speeds up: the decode inside every GPU kernel (fp4_gemm's tiled kernel, engine/m
 kernels, engine/wgmma.py's Gluon kernels). fp4_gemm.py teaches the bit tricks and decodes in plain
 Triton integer ops; here the same bit moves are written as PTX on 32-bit registers, two values an
 instruction, because at decode speed an SM has only a few issue slots per weight.
-Tested against: fp4_gemm's plain decode (`_decode_plain`) on the GPU bit for bit, and on the CPU by
+Tested against: fp4_gemm's plain decode (`decode_plain`) on the GPU bit for bit, and on the CPU by
 running every PTX block through `run_ptx_warp`, a small warp-wide emulator of the instructions used
 (tests/engine/test_ptx.py, test_mma.py, test_wgmma.py).
 Measurements: results/fp4_gemm_h200.md.
@@ -15,9 +15,7 @@ import numpy as np
 import triton
 import triton.language as tl
 
-import fp4_gemm
-
-_e4m3_to_f32 = fp4_gemm._e4m3_to_f32
+from fp4_gemm import e4m3_to_f32
 
 # One PTX block per 4 packed bytes (a 32-bit register q = b3 b2 b1 b0): `prmt` puts b0, b1 in the
 # high bytes of the two 16-bit halves, so the high nibbles sit at bits 12-15 / 28-31; a mask keeps
@@ -56,15 +54,15 @@ _ASM_WORD: tl.constexpr = tl.constexpr(_e2m1_word_asm())
 
 @triton.jit
 def decode_ptx(p, sb, DTYPE: tl.constexpr):
-    """fp4_gemm._decode_plain's contract with the PTX block above (bf16 or f16 DTYPE): bytes p (BN, BK/16, 8)
+    """fp4_gemm.decode_plain's contract with the PTX block above (bf16 or f16 DTYPE): bytes p (BN, BK/16, 8)
     and their E4M3 scale bytes sb (BN, BK/16) → (lo, hi), the even- and odd-k weights, exact e2m1 * s * 2^-8.
     The block scale travels pre-multiplied by the power of two the code's placement leaves out."""
     if DTYPE == tl.bfloat16:  # e2m1 * 2^-126 times scale * 2^118
-        sa = _e4m3_to_f32(sb, 8.507059173023462e37).to(tl.bfloat16)[:, :, None]  # (BN, BK/16, 1)
+        sa = e4m3_to_f32(sb, 8.507059173023462e37).to(tl.bfloat16)[:, :, None]  # (BN, BK/16, 1)
         lo, hi = tl.inline_asm_elementwise(_ASM_BF16, "=r,=r,=r,=r,r,r,r", [p, sa],
                                            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
     else:  # e2m1 * 2^-14 times scale * 2^6
-        sa = _e4m3_to_f32(sb, 16384.0).to(tl.float16)[:, :, None]
+        sa = e4m3_to_f32(sb, 16384.0).to(tl.float16)[:, :, None]
         lo, hi = tl.inline_asm_elementwise(_ASM_F16, "=r,=r,=r,=r,r,r,r", [p, sa],
                                            dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
     return lo, hi

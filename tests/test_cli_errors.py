@@ -1,7 +1,7 @@
 """Every bad input to a command line stops it with one sentence that names the input and says what to do,
 and, where the input is a value, before any model loads. One table of cases, each an argv and the
 fragment of the message expected, run in-process through each CLI's main(argv). Then the output-folder
-rules on the two commands that replace whole folders (nvfp4.py, lora.py --merge): `--out .`, `--out
+rules on the two commands that replace whole folders (nvfp4.py, adapters.py --merge): `--out .`, `--out
 SOURCE` and a folder of someone else's files are refused with every file intact."""
 import hashlib
 import importlib.util
@@ -12,6 +12,7 @@ import shutil
 import pytest
 import torch
 
+import adapters
 import arith
 import eval as ev
 import hub
@@ -21,7 +22,7 @@ import nvfp4
 import tiny
 import train
 
-CLIS = {"train.py": train.main, "eval.py": ev.main, "nvfp4.py": nvfp4.main, "lora.py": lora.main,
+CLIS = {"train.py": train.main, "eval.py": ev.main, "nvfp4.py": nvfp4.main, "adapters.py": adapters.main,
         "arith.py": arith.main, "tiny.py": lambda argv: tiny.main(tiny.parse_args(argv))}
 SMALL = {"model_type": "qwen2", "vocab_size": 101, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -44,7 +45,7 @@ def files(tmp_path_factory):
     (reshaped / "config.json").write_text(json.dumps({**config, "intermediate_size": 400}))
     other = M.Transformer.from_random(M.Config(SMALL), dtype=torch.float32)
     lora.apply_lora(other, rank=4, alpha=4)
-    lora.save_adapter(other, root / "other-adapter")
+    adapters.save_adapter(other, root / "other-adapter")
     (root / "a-file").write_text("not a folder")
     (root / "user").mkdir()
     (root / "user" / "thesis.txt").write_text("years of work")
@@ -103,9 +104,9 @@ BEFORE_LOAD = [
     ("nvfp4.py", ["--model", "{tiny}", "--out", "{tmp}"], "is a folder holding the source"),
     ("nvfp4.py", ["--model", "{tiny}", "--out", "{user}"], "holds files nvfp4.py did not write"),
     ("nvfp4.py", ["--model", "{tmp}/none", "--out", "{tmp}/q"], "no model folder at"),
-    ("lora.py", ["--merge", "--model", "{tiny}", "--adapter", "{other_adapter}", "--out", "{tmp}/m"],
+    ("adapters.py", ["--merge", "--model", "{tiny}", "--adapter", "{other_adapter}", "--out", "{tmp}/m"],
      "was the adapter trained on another model?"),
-    ("lora.py", ["--merge", "--model", "{tiny}", "--adapter", "{tmp}/none", "--out", "{tmp}/m"], "no adapter folder at"),
+    ("adapters.py", ["--merge", "--model", "{tiny}", "--adapter", "{tmp}/none", "--out", "{tmp}/m"], "no adapter folder at"),
     ("tiny.py", ["--out", "{user}"], "holds files tiny.py did not write"),
     ("tiny.py", ["--out", hub.ALIASES["tiny"]], "holds files tiny.py did not write"),  # the bundled model
     ("arith.py", ["--num", "0"], "--num 0: must be >= 1"),
@@ -177,17 +178,17 @@ def tree(folder):
     return out
 
 
-@pytest.mark.parametrize("prog", ["nvfp4.py", "lora.py"])
+@pytest.mark.parametrize("prog", ["nvfp4.py", "adapters.py"])
 def test_out_is_refused_with_every_file_intact(prog, hf_folder, tmp_path, monkeypatch, capsys):
     """`--out .`, `--out SOURCE` (also with --force) and a folder holding a user's file: refused, every file as
     it was; --force replaces the user's folder; an earlier output of the same command is replaced without it;
     a failure midway leaves the earlier output and no temporary folder."""
     _, src = hf_folder("qwen2")
     adapter = None
-    if prog == "lora.py":
+    if prog == "adapters.py":
         m = M.Transformer.from_pretrained(src, dtype=torch.float32)
         lora.apply_lora(m, rank=2, alpha=2)
-        adapter = lora.save_adapter(m, tmp_path / "adapter")
+        adapter = adapters.save_adapter(m, tmp_path / "adapter")
 
     def argv(out, *extra):
         head = ["--merge", "--adapter", adapter] if adapter else []
@@ -227,7 +228,7 @@ def test_out_is_refused_with_every_file_intact(prog, hf_folder, tmp_path, monkey
 
     monkeypatch.setattr("safetensors.torch.save_file", broken)
     monkeypatch.setattr(nvfp4, "save_file", broken)
-    monkeypatch.setattr(lora, "save_file", broken)
+    monkeypatch.setattr(adapters, "save_file", broken)
     with pytest.raises(SystemExit, match="disk full"):
         CLIS[prog](argv(str(dst)))
     assert tree(dst) == first

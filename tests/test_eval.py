@@ -94,6 +94,7 @@ def test_adapter_changes_the_result(tmp_path):
     """The official QeRL eval silently evaluated the base model. Here a LoRA adapter with nonzero B,
     saved in PEFT format and passed with --adapter, must change the greedy completions, while a B = 0
     adapter (the identity) must not: the difference comes from the adapter's values, not the path."""
+    import adapters
     import lora
     import model
 
@@ -103,7 +104,7 @@ def test_adapter_changes_the_result(tmp_path):
         gen = torch.Generator().manual_seed(random.randrange(1000))
         for mod in lora.lora_modules(m).values():
             mod.lora_B.weight.data = torch.randn(mod.lora_B.weight.shape, generator=gen) * scale
-        lora.save_adapter(m, str(path))
+        adapters.save_adapter(m, str(path))
 
     make_adapter(tmp_path / "noisy", 0.5)
     make_adapter(tmp_path / "zero", 0.0)

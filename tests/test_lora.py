@@ -1,44 +1,19 @@
-"""LoRA: the module's math against float64, freezing, gradients reaching A and B (B moves after one
-AdamW step, on an fp32 and an NVFP4 base), disable_adapters, PEFT parity both ways on a tiny random
-Qwen2 saved with transformers, the merge CLI, the errors for broken adapter folders, and trained RMSNorms
-(PEFT's modules_to_save): PEFT parity both ways, load/merge/disable, and their tensors kept in place
-through an optimizer step and AQN's noise."""
-import json
+"""LoRA: the module's math against float64, freezing and the targets apply_lora picks, gradients reaching A
+and B (B moves after one AdamW step, on an fp32 and an NVFP4 base), disable_adapters, and trained RMSNorms
+kept in place through an optimizer step and AQN's noise. (The adapter files, PEFT parity and merge:
+tests/test_adapters.py.)"""
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 import fp4_gemm
 import lora
-import nvfp4
-from model import Transformer
+from lora_ref import ours, randomize_adapters, tokens
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGETS = lora.TARGETS
-
-
-def tokens(vocab, B=2, T=7, seed=0):
-    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
-
-
-def randomize_adapters(model, seed=1, std=0.05):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in lora.lora_modules(model).values():
-            m.lora_A.weight.copy_(torch.randn(m.lora_A.weight.shape, generator=g) * std)
-            m.lora_B.weight.copy_(torch.randn(m.lora_B.weight.shape, generator=g) * std)
-
-
-def ours(folder, **kw):
-    return Transformer.from_pretrained(folder, dtype=torch.float32, **kw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -149,12 +124,15 @@ def test_apply_lora_wraps_targets_and_freezes_everything_else(hf_folder):
     with pytest.raises(ValueError, match="call train_norms after apply_lora"):
         lora.apply_lora(normed)
     assert all(w.requires_grad for w in lora.trained_norms(normed).values())
-    with pytest.raises(ValueError, match="quant must be 'nvfp4' or 'bf16'"):  # a typo must not train bf16
-        lora.load_policy(folder, quant="fp4")
-    # A subset of targets
+    # A subset of targets, and targets named as PEFT's target_modules are: the end of a module's dotted name
     sub = ours(folder)
     lora.apply_lora(sub, targets=("q_proj", "down_proj"))
     assert sorted({n.split(".")[-1] for n in lora.lora_modules(sub)}) == ["down_proj", "q_proj"]
+    one = ours(folder)
+    lora.apply_lora(one, targets=("layers.1.mlp.down_proj", "self_attn.v_proj"))
+    assert sorted(lora.lora_modules(one)) == ["layers.0.self_attn.v_proj", "layers.1.mlp.down_proj",
+                                              "layers.1.self_attn.v_proj", "layers.2.self_attn.v_proj"]
+    assert not lora.targeted("layers.1.mlp.down_proj", ["n_proj", "mlp.down", "layers.1"])  # whole names only
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,283 +206,8 @@ def test_disable_adapters_gives_base_and_is_exception_safe(hf_folder):
 
 
 # ---------------------------------------------------------------------------------------------
-# PEFT parity, both directions
+# Trained norms
 # ---------------------------------------------------------------------------------------------
-
-def test_our_adapter_loads_in_peft_with_same_logits(hf_folder, tmp_path):
-    from peft import PeftModel
-
-    hf, folder = hf_folder(num_hidden_layers=3)
-    model = ours(folder)
-    lora.apply_lora(model, rank=6, alpha=9)
-    randomize_adapters(model, seed=3)
-    out = lora.save_adapter(model, tmp_path / "adapter", base_model_name_or_path=folder)
-    assert sorted(os.listdir(out)) == ["adapter_config.json", "adapter_model.safetensors"]
-    assert not [f for f in os.listdir(tmp_path) if f.startswith(".adapter")]  # no temp folder left
-    cfg = json.load(open(os.path.join(out, "adapter_config.json")))
-    assert (cfg["peft_type"], cfg["task_type"], cfg["r"], cfg["lora_alpha"], cfg["bias"]) == ("LORA", "CAUSAL_LM", 6, 9, "none")
-    assert sorted(cfg["target_modules"]) == sorted(TARGETS) and cfg["fan_in_fan_out"] is False
-    with safe_open(os.path.join(out, "adapter_model.safetensors"), "pt") as f:
-        keys = set(f.keys())
-    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in keys
-    assert "base_model.model.model.layers.2.mlp.down_proj.lora_B.weight" in keys
-    assert len(keys) == 2 * 7 * 3
-
-    tok = tokens(model.config.vocab_size, B=3, T=13, seed=5)
-    with torch.no_grad():
-        base = hf(tok).logits
-        peft_model = PeftModel.from_pretrained(hf, out).eval()  # injects LoRA into hf in place
-        want = peft_model(tok).logits
-        got = model(tok)
-    assert (got - base).abs().max() > 1e-3  # the adapters matter
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
-
-    # Saving again replaces the folder atomically.
-    randomize_adapters(model, seed=4)
-    lora.save_adapter(model, out)
-    with safe_open(os.path.join(out, "adapter_model.safetensors"), "pt") as f:
-        a = f.get_tensor("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight")
-    assert torch.equal(a, model.layers[0].self_attn.q_proj.lora_A.weight)
-
-
-def test_peft_adapter_loads_in_ours_with_same_logits(hf_folder, tmp_path):
-    from peft import LoraConfig, get_peft_model
-
-    hf, folder = hf_folder()
-    targets = ["q_proj", "v_proj", "o_proj", "down_proj"]
-    peft_model = get_peft_model(hf, LoraConfig(r=5, lora_alpha=15, target_modules=targets, lora_dropout=0.0,
-                                               task_type="CAUSAL_LM"))
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for n, p in peft_model.named_parameters():
-            if "lora_" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    peft_model.eval()
-    peft_model.save_pretrained(tmp_path / "peft")
-    tok = tokens(hf.config.vocab_size, B=2, T=10, seed=8)
-    with torch.no_grad():
-        want = peft_model(tok).logits
-
-    model = ours(folder)  # no adapters yet: load_adapter applies LoRA with the folder's r/alpha/targets
-    params = lora.load_adapter(model, tmp_path / "peft")
-    mods = lora.lora_modules(model)
-    assert {n.split(".")[-1] for n in mods} == set(targets) and len(mods) == 4 * 2
-    assert all(m.rank == 5 and m.scaling == 3 for m in mods.values())
-    assert len(params) == 2 * len(mods) and all(p.requires_grad for p in params)
-    torch.testing.assert_close(model(tok), want, rtol=0, atol=1e-5)
-
-    # Loading into a model that already has matching adapters only copies the weights.
-    model2 = ours(folder)
-    lora.apply_lora(model2, rank=5, alpha=15, targets=targets)
-    lora.load_adapter(model2, tmp_path / "peft")
-    torch.testing.assert_close(model2(tok), want, rtol=0, atol=1e-5)
-    # … and mismatched adapters are refused.
-    model3 = ours(folder)
-    lora.apply_lora(model3, rank=4, alpha=15, targets=targets)
-    with pytest.raises(ValueError, match="r=4"):
-        lora.load_adapter(model3, tmp_path / "peft")
-    model4 = ours(folder)
-    lora.apply_lora(model4, rank=5, alpha=15)  # all seven targets: four have no weights in the folder
-    with pytest.raises(KeyError, match="do not match"):
-        lora.load_adapter(model4, tmp_path / "peft")
-
-
-# ---------------------------------------------------------------------------------------------
-# Merge CLI
-# ---------------------------------------------------------------------------------------------
-
-def test_merge_cli_matches_unmerged_model(hf_folder, tmp_path):
-    _, folder = hf_folder(tie_word_embeddings=True, max_shard_size="60KB")
-    assert os.path.exists(os.path.join(folder, "model.safetensors.index.json"))  # sharded source
-    open(os.path.join(folder, "tokenizer_config.json"), "w").write('{"model_max_length": 64}')
-    model = ours(folder)
-    lora.apply_lora(model, rank=4, alpha=12, targets=("q_proj", "k_proj", "gate_proj", "down_proj"))
-    randomize_adapters(model, seed=9)
-    adapter = lora.save_adapter(model, tmp_path / "adapter")
-    tok = tokens(model.config.vocab_size, B=2, T=12, seed=10)
-    want = model(tok)
-
-    dst = tmp_path / "merged32"
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "lora.py"), "--merge", "--model", folder, "--adapter",
-                        adapter, "--out", str(dst), "--dtype", "float32"], capture_output=True, text=True, cwd=ROOT)
-    assert r.returncode == 0, r.stderr
-    # a missing adapter: one line, and it stops before touching the output just written (checked below)
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "lora.py"), "--merge", "--model", folder, "--adapter",
-                        str(tmp_path / "none"), "--out", str(dst)], capture_output=True, text=True, cwd=ROOT)
-    assert r.returncode == 1 and r.stderr.strip() == f"lora.py: no adapter folder at {str(tmp_path / 'none')!r}"
-    assert os.path.exists(dst / "tokenizer_config.json")
-    merged = ours(str(dst))
-    assert not lora.lora_modules(merged)
-    torch.testing.assert_close(merged(tok), want, rtol=0, atol=1e-5)
-
-    # The default export is bf16, and loads (with bf16 rounding of the weights).
-    index = json.load(open(dst / "model.safetensors.index.json"))["weight_map"]
-    assert len(set(index.values())) > 1 and all(os.path.exists(dst / s) for s in index.values())
-    lora.merge(folder, adapter, str(tmp_path / "merged16"))
-    for shard in set(index.values()):
-        with safe_open(str(tmp_path / "merged16" / shard), "pt") as f:
-            assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
-    cfg = json.load(open(tmp_path / "merged16" / "config.json"))
-    assert cfg.get("dtype", cfg.get("torch_dtype")) == "bfloat16"
-    merged16 = ours(str(tmp_path / "merged16"))
-    assert (merged16(tok) - want).abs().max() < 0.05
-
-
-def test_merge_from_nvfp4_base(hf_folder, tmp_path):
-    _, folder = hf_folder()
-    qdir = str(tmp_path / "q")
-    nvfp4.save_quantized(folder, qdir, progress=False)
-    model = ours(qdir)
-    assert isinstance(model.layers[1].self_attn.v_proj, fp4_gemm.QuantLinear)
-    lora.apply_lora(model, rank=3, alpha=3)
-    randomize_adapters(model, seed=11)
-    adapter = lora.save_adapter(model, tmp_path / "adapter")
-    tok = tokens(model.config.vocab_size, seed=12)
-    dst = lora.merge(qdir, adapter, str(tmp_path / "merged"), dtype=torch.float32)
-    cfg = json.load(open(os.path.join(dst, "config.json")))
-    assert "quantization_config" not in cfg
-    merged = ours(dst)
-    assert isinstance(merged.layers[1].self_attn.v_proj, nn.Linear)
-    torch.testing.assert_close(merged(tok), model(tok), rtol=0, atol=1e-5)
-
-
-# ---------------------------------------------------------------------------------------------
-# Errors
-# ---------------------------------------------------------------------------------------------
-
-def test_clear_errors_for_broken_adapter_folders(hf_folder, tmp_path):
-    _, folder = hf_folder()
-    model = ours(folder)
-    lora.apply_lora(model, rank=4, alpha=4)
-    good = lora.save_adapter(model, tmp_path / "good")
-    cfg = json.load(open(os.path.join(good, "adapter_config.json")))
-    with safe_open(os.path.join(good, "adapter_model.safetensors"), "pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-
-    def folder_with(name, config=cfg, weights=tensors, raw_config=None):
-        d = tmp_path / name
-        d.mkdir()
-        if raw_config is not None:
-            (d / "adapter_config.json").write_text(raw_config)
-        elif config is not None:
-            (d / "adapter_config.json").write_text(json.dumps(config))
-        if weights is not None:
-            save_file(weights, str(d / "adapter_model.safetensors"))
-        return d
-
-    fresh = lambda: ours(folder)
-    with pytest.raises(FileNotFoundError, match="no adapter folder"):
-        lora.load_adapter(fresh(), tmp_path / "missing")
-    with pytest.raises(FileNotFoundError, match="adapter_config.json"):
-        lora.load_adapter(fresh(), folder_with("noconfig", config=None))
-    with pytest.raises(FileNotFoundError, match="adapter_model.safetensors"):
-        lora.load_adapter(fresh(), folder_with("noweights", weights=None))
-    d = folder_with("binonly", weights=None)
-    (d / "adapter_model.bin").write_bytes(b"x")
-    with pytest.raises(FileNotFoundError, match="pickle"):
-        lora.load_adapter(fresh(), d)
-    with pytest.raises(ValueError, match="not valid JSON"):
-        lora.load_adapter(fresh(), folder_with("badjson", raw_config="{r: 4"))
-    with pytest.raises(ValueError, match="peft_type"):
-        lora.load_adapter(fresh(), folder_with("ia3", config={**cfg, "peft_type": "IA3"}))
-    with pytest.raises(ValueError, match="use_dora"):
-        lora.load_adapter(fresh(), folder_with("dora", config={**cfg, "use_dora": True}))
-    with pytest.raises(ValueError, match="rank r=8"):
-        lora.load_adapter(fresh(), folder_with("rank", config={**cfg, "r": 8}))
-    with pytest.raises(ValueError, match="unexpected tensor"):
-        lora.load_adapter(fresh(), folder_with("extra", weights={**tensors, "foo.weight": torch.zeros(2)}))
-    half = {k: v for k, v in tensors.items() if not k.endswith("layers.1.mlp.up_proj.lora_B.weight")}
-    with pytest.raises(ValueError, match="not both"):
-        lora.load_adapter(fresh(), folder_with("half", weights=half))
-    renamed = {k.replace("layers.1.", "layers.7."): v for k, v in tensors.items()}
-    with pytest.raises(KeyError, match="lacks"):
-        lora.load_adapter(fresh(), folder_with("otherarch", weights=renamed))
-    (tmp_path / "bad_st").mkdir()
-    (tmp_path / "bad_st" / "adapter_config.json").write_text(json.dumps(cfg))
-    (tmp_path / "bad_st" / "adapter_model.safetensors").write_bytes(b"not safetensors")
-    with pytest.raises(ValueError, match="safetensors"):
-        lora.load_adapter(fresh(), tmp_path / "bad_st")
-    # save_adapter refuses to replace a folder that is not an adapter.
-    (tmp_path / "precious").mkdir()
-    (tmp_path / "precious" / "notes.txt").write_text("keep me")
-    with pytest.raises(FileExistsError):
-        lora.save_adapter(model, tmp_path / "precious")
-    assert (tmp_path / "precious" / "notes.txt").read_text() == "keep me"
-    with pytest.raises(ValueError, match="no LoRA"):
-        lora.save_adapter(fresh(), tmp_path / "none")
-
-
-# ---------------------------------------------------------------------------------------------
-# Trained norms (PEFT's modules_to_save)
-# ---------------------------------------------------------------------------------------------
-
-def randomize_norms(model, seed=2, std=0.1):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for w in lora.trained_norms(model).values():
-            w.add_(torch.randn(w.shape, generator=g) * std)
-
-
-def test_trained_norms_load_in_peft_and_back_with_same_logits(hf_folder, tmp_path):
-    from peft import LoraConfig, PeftModel, get_peft_model
-
-    hf, folder = hf_folder(num_hidden_layers=3)
-    model = ours(folder)
-    lora.apply_lora(model, rank=4, alpha=8)
-    norms = lora.train_norms(model)
-    assert len(norms) == 2 * 3 and all(p.requires_grad and p.dtype == torch.float32 for p in norms)
-    assert not model.norm.weight.requires_grad and not model.embed_tokens.weight.requires_grad  # the final norm stays
-    randomize_adapters(model, seed=3)
-    randomize_norms(model, seed=4)
-    out = lora.save_adapter(model, tmp_path / "adapter", base_model_name_or_path=folder)
-    cfg = json.load(open(os.path.join(out, "adapter_config.json")))
-    assert cfg["modules_to_save"] == ["input_layernorm", "post_attention_layernorm"]
-    with safe_open(os.path.join(out, "adapter_model.safetensors"), "pt") as f:
-        keys = set(f.keys())
-        saved = f.get_tensor("base_model.model.model.layers.1.post_attention_layernorm.weight")
-    assert len(keys) == 2 * 7 * 3 + 2 * 3
-    assert torch.equal(saved, model.layers[1].post_attention_layernorm.weight)
-
-    tok = tokens(model.config.vocab_size, B=3, T=11, seed=5)
-    with torch.no_grad():
-        got = model(tok)
-        with lora.disable_adapters(model):  # the base: adapters off and the norms at their base values
-            base_ours = model(tok)
-        after = model(tok)
-        base = hf(tok).logits
-        want = PeftModel.from_pretrained(hf, out).eval()(tok).logits  # PEFT reads our modules_to_save
-    torch.testing.assert_close(base_ours, base, rtol=0, atol=1e-5)
-    assert torch.equal(after, got)  # disable_adapters put the trained norms back
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
-
-    # load_adapter brings both back, on a fresh model and on one prepared as train.py prepares it.
-    fresh = ours(folder)
-    loaded = lora.load_adapter(fresh, out)
-    assert len(loaded) == 2 * 7 * 3 + 2 * 3 and lora.trained_norms(fresh)
-    torch.testing.assert_close(fresh(tok), got, rtol=0, atol=0)
-    prepared = ours(folder)
-    lora.apply_lora(prepared, rank=4, alpha=8)
-    ptrs = [p.data_ptr() for p in lora.train_norms(prepared)]
-    lora.load_adapter(prepared, out)
-    assert [p.data_ptr() for p in lora.trained_norms(prepared).values()] == ptrs  # loaded in place
-    torch.testing.assert_close(prepared(tok), got, rtol=0, atol=0)
-    lora.save_adapter(fresh, tmp_path / "again")  # what load_adapter read, it saves again
-
-    # A PEFT adapter with modules_to_save loads into ours with PEFT's logits.
-    hf2, _ = hf_folder(num_hidden_layers=3)
-    peft_model = get_peft_model(hf2, LoraConfig(r=4, lora_alpha=4, target_modules=list(TARGETS),
-                                                modules_to_save=list(lora.NORMS), task_type="CAUSAL_LM"))
-    g = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for n, p in peft_model.named_parameters():
-            if p.requires_grad:
-                p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    peft_model.eval().save_pretrained(tmp_path / "peft")
-    theirs = ours(folder)
-    lora.load_adapter(theirs, tmp_path / "peft")
-    with torch.no_grad():
-        torch.testing.assert_close(theirs(tok), peft_model(tok).logits, rtol=0, atol=1e-5)
-
 
 def test_norm_updates_and_aqn_noise_keep_the_tensors_in_place(hf_folder):
     import aqn
@@ -530,35 +233,3 @@ def test_norm_updates_and_aqn_noise_keep_the_tensors_in_place(hf_folder):
         assert all(not torch.equal(p, t) for p, t in zip(norms, trained))
         assert [p.data_ptr() for p in norms] == ptrs
     assert all(torch.equal(p, t) for p, t in zip(norms, trained))  # restored bit for bit
-
-
-def test_merge_writes_the_trained_norms(hf_folder, tmp_path):
-    _, folder = hf_folder()
-    model = ours(folder)
-    lora.apply_lora(model, rank=4, alpha=8, targets=("q_proj", "down_proj"))
-    lora.train_norms(model)
-    randomize_adapters(model, seed=5)
-    randomize_norms(model, seed=6)
-    adapter = lora.save_adapter(model, tmp_path / "adapter")
-    merged = ours(lora.merge(folder, adapter, str(tmp_path / "merged"), dtype=torch.float32))
-    tok = tokens(model.config.vocab_size, B=2, T=8, seed=7)
-    with torch.no_grad():
-        torch.testing.assert_close(merged(tok), model(tok), rtol=0, atol=1e-5)
-
-
-def test_trained_norm_folders_are_checked(hf_folder, tmp_path):
-    _, folder = hf_folder()
-    model = ours(folder)
-    lora.apply_lora(model, rank=4, alpha=8)
-    plain = lora.save_adapter(model, tmp_path / "plain")
-    lora.train_norms(model)
-    with pytest.raises(KeyError, match="trains its norms"):
-        lora.load_adapter(model, plain)
-    normed = lora.save_adapter(model, tmp_path / "normed")
-    cfg = json.load(open(os.path.join(normed, "adapter_config.json")))
-    json.dump({**cfg, "modules_to_save": ["lm_head"]}, open(os.path.join(normed, "adapter_config.json"), "w"))
-    with pytest.raises(ValueError, match="modules_to_save"):
-        lora.read_adapter(normed)
-    json.dump({**cfg, "modules_to_save": ["input_layernorm"]}, open(os.path.join(normed, "adapter_config.json"), "w"))
-    with pytest.raises(ValueError, match="unexpected tensor"):  # post_attention_layernorm's weights are not listed
-        lora.read_adapter(normed)

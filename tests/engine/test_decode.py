@@ -48,11 +48,11 @@ def test_generate_dispatches_to_the_engine_only_where_asked(hf_folder):
     assert not rollout.uses_engine(model, "auto") and not rollout.uses_engine(model, "torch")  # (a CPU model)
     assert rollout.uses_engine(model, "triton")
     r = rollout.generate(model, [[1, 2]], max_new_tokens=2, seed=0)
-    assert "_rollout_decoder" not in model.__dict__ and r.stats["kernels"] == "torch"
+    assert decode.decoder_of(model) is None and r.stats["kernels"] == "torch"
     decode.generate(model, [[1, 2]], max_new_tokens=2, seed=0)
-    assert "_rollout_decoder" in model.__dict__
+    assert isinstance(decode.decoder_of(model), decode.Decoder)
     rollout.release(model)
-    assert "_rollout_decoder" not in model.__dict__
+    assert decode.decoder_of(model) is None
 
 
 @interpreted
@@ -121,7 +121,7 @@ def test_attention_chunks_follow_the_current_column(hf_folder):
     kw = dict(max_new_tokens=6, temperature=0.0)
     a = rollout.generate(model, prompts, kernels="torch", **kw)
     b = rollout.generate(model, prompts, kernels="triton", **kw)
-    st = next(iter(model.__dict__["_rollout_decoder"].states.values()))
+    st = next(iter(decode.decoder_of(model).states.values()))
     assert st.attn_split > 127 // 64 + 1
     assert torch.equal(a.tokens, b.tokens)
     assert torch.allclose(a.logprobs, b.logprobs, atol=1e-4)
@@ -290,7 +290,7 @@ def test_a_dropped_model_frees_its_decoder_at_once(hf_folder):
 
     _, model = load(hf_folder, quantize=True)
     decode.generate(model, prompts_of([3, 5], 97), n=2, max_new_tokens=4, stop_ids=(7,), seed=0, kernels="torch")
-    gone = weakref.ref(model.__dict__["_rollout_decoder"]), weakref.ref(model)
+    gone = weakref.ref(decode.decoder_of(model)), weakref.ref(model)
     collecting = gc.isenabled()
     gc.disable()
     try:
@@ -369,7 +369,7 @@ def test_gpu_nvfp4_lora_decode_in_bf16(hf_folder, prompts, n, kernel):
         r = rollout.generate(model, prompts, n=n, max_new_tokens=24, temperature=1.0, seed=3, kernels="triton",
                              graphs=True)
     if torch.cuda.get_device_capability() == (9, 0):
-        (st,) = model.__dict__["_rollout_decoder"].states.values()
+        (st,) = decode.decoder_of(model).states.values()
         assert [k for k, _ in st.x_orders[0]] == ([256] * 4 if st.N > 32 else [0] * 4)
     err, effect = error_and_adapter_effect(model, prompts, n, r)
     print(f"n={n}: |decode - full forward| {err:.4f}, |without - with adapters| {effect:.4f}")

@@ -146,9 +146,22 @@ def test_off_by_default_and_restored():
     before = fp4_gemm.fp4_linear(x, q)
     with pytest.raises(RuntimeError):
         with fp4_gemm.fp8_tensor_cores():
-            assert fp4_gemm._choice["fp8"]
+            assert not torch.equal(fp4_gemm.fp4_linear(x, q), before)  # x and W rounded to E4M3
             raise RuntimeError
-    assert not fp4_gemm._choice["fp8"]
     assert torch.equal(fp4_gemm.fp4_linear(x, q), before)
     with fp4_gemm.fp8_tensor_cores(False):
         assert torch.equal(fp4_gemm.fp4_linear(x, q), before)
+
+
+def test_supported_is_asked_through_fp4_gemm(monkeypatch):
+    """fp4_gemm.fp8_supported is this file's answer (on the CPU: whether this torch's _scaled_mm takes one
+    scale a row, where the products then run), and False where fp4_gemm has no engine to hand them to."""
+    cpu = torch.device("cpu")
+    assert fp4_gemm.fp8_supported(cpu) == fp8.supported(cpu)
+    if fp8.supported(cpu):
+        q, x = _operands(4, 64, 32, False, seed=4)
+        y = fp8.linear(x.cpu(), q.packed.cpu(), q.scale.view(torch.uint8).cpu(), q.global_scale.float().cpu(), None)
+        assert y.shape == (4, 32) and y.isfinite().all()
+    assert not fp8.supported(torch.device("meta"))
+    monkeypatch.setattr(fp4_gemm, "_engine", lambda part="plan": None)  # (as without the engine/ folder)
+    assert not fp4_gemm.fp8_supported(cpu)
