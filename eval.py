@@ -28,8 +28,8 @@ tasks.grade (the same judge RL is rewarded by), and report:
 The summary, with the settings that produced it (model, adapter, quant, data, split, prompt style,
 sampling), goes to OUT/summary.json, every completion with its grade and extracted answer to
 OUT/samples.jsonl, and the summary is printed. OUT defaults to runs/eval/<model>[+<adapter>]-<quant>-
-<data>[-<split>] (default_out). --prompt official asks as the official code does (tasks.py): evaluate a
-policy with the prompt style it was trained with.
+<data>[-<split>] (default_out). --prompt paper, official and bare ask as the official code does
+(tasks.py's prompt styles): evaluate a policy with the prompt style it was trained with.
 
 Departures from the official QeRL evaluation, each on purpose:
 - The LoRA adapter is applied. The official GSM8K eval script builds the vLLM engine from the base
@@ -56,6 +56,7 @@ from collections import defaultdict
 import torch
 
 import tasks
+from data import DATASETS, load_dataset
 
 # Completion budgets. The CLI knows the data set, so it gives each its own (when --max-new-tokens is not
 # passed): the arith task's solutions fit in 49 tokens of the tiny policy, GSM8K's reasoning in a few
@@ -105,7 +106,7 @@ def evaluate(model, tokenizer, items, kind=None, *, samples=1, temperature=0.6, 
              max_new_tokens=EVALUATE_MAX_NEW_TOKENS, batch_size=None, seed=0, progress=False, prompt="ours"):
     """Sample `samples` completions of each item and grade them.
 
-    items: tasks.load_dataset records ({question, answer[, kind, level, subject, id]}); an item's own
+    items: data.load_dataset records ({question, answer[, kind, level, subject, id]}); an item's own
     `kind` wins over the `kind` argument (the default for items without one). batch_size: completions
     per rollout.generate call (prompts per call = batch_size // samples, at least 1; default 256 for a
     model on the CPU, 64 on a GPU, where the KV cache grows with it). seed: the
@@ -116,8 +117,7 @@ def evaluate(model, tokenizer, items, kind=None, *, samples=1, temperature=0.6, 
     set instead, DEFAULT_MAX_NEW_TOKENS). A completion cut off there is graded as it stands and counted
     in `truncated`.
 
-    prompt: "ours" (the instruction after the question) or "official" (QeRL's think/answer system
-    prompt), as tasks.get_task.
+    prompt: a tasks.PROMPT_STYLES name (ours, paper, official, bare), as tasks.get_task.
 
     Returns {"accuracy", "pass@1", "avg@K", "pass@k": {k: ...}, "accuracy_strict", "pass@k_strict",
     "answer_format", "n", "samples", "mean_length", "truncated", "by_level", "by_subject", "seconds",
@@ -229,9 +229,10 @@ def parse_args(argv=None):
     p.add_argument("--samples", type=int, default=1, help="K, completions per problem")
     p.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (0: greedy)")
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass")
-    p.add_argument("--prompt", default="ours", choices=list(tasks.PROMPT_STYLES), help="how problems are asked: "
-                   "our instruction, or the official think/answer system prompt (tasks.get_task); evaluate a "
-                   "policy with the style it was trained with (train.py --prompt)")
+    p.add_argument("--prompt", default="ours", choices=list(tasks.PROMPT_STYLES), help="how problems are asked "
+                   "(tasks.PROMPTS): ours, our instruction; paper, as the code of the paper's time (think tags, then "
+                   "####); official, the think/answer system prompt; bare, the question alone. Evaluate a policy "
+                   "with the style it was trained with (train.py --prompt)")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="completion budget (default: 64 for arith, 512 for gsm8k, 2048 for any other set, "
                    "MATH-style long reasoning)")
@@ -272,7 +273,7 @@ def default_out(args):
         adapter = os.path.normpath(str(args.adapter))
         parent = os.path.basename(os.path.dirname(os.path.abspath(adapter)))
         name += f"+{_slug(parent)}_{_slug(adapter)}" if parent else f"+{_slug(adapter)}"
-    if args.data in tasks.DATASETS:
+    if args.data in DATASETS:
         data = f"{args.data}-{_slug(args.split)}"
     else:
         data = _slug(args.data).removesuffix(".jsonl")
@@ -300,7 +301,7 @@ def main(argv=None):
         model_dir, _, config = read_config(args.model)
         if args.adapter:
             adapters.adapter_fits(config, adapters.read_adapter(args.adapter)[1], args.adapter)
-        items = tasks.load_dataset(args.data, split=args.split, limit=args.limit, data_dir=args.data_dir)
+        items = load_dataset(args.data, split=args.split, limit=args.limit, data_dir=args.data_dir)
         if not items:
             raise ValueError(f"{args.data} holds no problems")
         hub.claim_folder(out, "eval.py", sources=[model_dir, args.adapter], force=args.force)

@@ -1,8 +1,6 @@
-"""Tasks, answer grading, rewards and datasets: the text side of RL on math problems.
-
-RL with verifiable rewards needs three things from a problem set: a prompt for each question, a way to
-read the model's final answer out of free text, and a judge that says whether that answer equals the
-gold one. This file owns all three, and the datasets they apply to. It imports no model code.
+"""Tasks: how a math problem is asked, how its answer is read out of free text, how that answer is
+judged, and what RL pays for it. The text side of RL with verifiable rewards; it imports no model code,
+and the problem sets themselves are data.py's.
 
 Two kinds of grading
 --------------------
@@ -31,95 +29,94 @@ Gold and answer are then judged by
     2. symbolic equivalence with math-verify (`math_verify.parse` + `verify`, the library TRL, open-r1
        and the official QeRL reward use): sympy equality, numeric closeness, intervals, sets, tuples,
        matrices, equations `x=5` vs `5`, units and percent.
-math-verify bounds each parse and comparison with a `signal.alarm` timeout, and signals only work on the
-main thread: called from any other thread it raises. So off the main thread we run it in a child
-process (spawned once, reused; its own main thread keeps math-verify's timeouts), and if the child does
-not answer within a generous deadline we kill it, respawn it on the next call and grade False. Calls
-from threads are serialized through that one child. (Spawning re-imports the caller's main script, as
-multiprocessing always does: scripts keep their work under `if __name__ == "__main__":`.)
+math-verify bounds each parse and comparison with `signal.alarm` (the `timeout` of grade), and signals
+work only on the main thread, where train.py and eval.py grade. From another thread pass timeout=None
+(math-verify then runs unbounded); with a timeout, grading math there is refused with a ValueError.
 
-Prompts
--------
-A Task is a kind plus its instruction, appended to the user's question in a single user message (every
-chat template has a user role; not all have a system role), then rendered with the tokenizer's chat
-template and the assistant header (`add_generation_prompt=True`).
-- math: "Please reason step by step, and put your final answer within \\boxed{}." -- the paper's setup
-  for MATH-style data (also Qwen2.5-Math's and DeepSeek-R1's evaluation prompt).
-- gsm8k: step by step, the final answer after `####` (GSM8K's own solution format).
-- prompt="official" (`get_task(kind, prompt="official")`): the official QeRL system prompt
-  (OFFICIAL_SYSTEM_PROMPT: reasoning in `<think> </think>`, the answer in `<answer> </answer>`) and
-  the bare question as the user message, as the official code asks BigMath problems and evaluates
-  GSM8K (its GSM8K *training* prompt is the bare question alone: the system prompt is commented out,
-  so the tags that its reward pays for are never asked for).
-The synthetic `arith` task (arith.py) is graded and prompted as gsm8k.
+Prompts (PROMPTS, get_task)
+---------------------------
+A Task is a kind asked in one prompt style: an optional system message, then the question with the
+style's instruction (if any) after it in one user message (every chat template has a user role; not all
+have a system role), rendered with the tokenizer's chat template and the assistant header
+(`add_generation_prompt=True`). The styles (PROMPT_STYLES):
+- ours: math: "Please reason step by step, and put your final answer within \\boxed{}." (the paper's
+  setup for MATH-style data; also Qwen2.5-Math's and DeepSeek-R1's evaluation prompt); gsm8k: step by
+  step, the final answer after `####` (GSM8K's own solution format).
+- paper: as the code of the paper's time asks (NVlabs/QeRL 1bf4803, utils/data.py): gsm8k: the question,
+  then an instruction asking for the reasoning in `<think> </think>` and the answer after `####`
+  (PAPER_GSM8K_INSTRUCTION); math: the official system prompt, as "official".
+- official: the official system prompt (OFFICIAL_SYSTEM_PROMPT: reasoning in `<think> </think>`, the
+  answer in `<answer> </answer>`) and the bare question: how the official code asks BigMath problems
+  (at both commits) and how its GSM8K eval asks (eval/gsm8k.py).
+- bare: the question alone: how HEAD (e8c6e79, utils/data.py) trains on GSM8K. Its system prompt is
+  commented out there, so the tags its reward pays for are never asked for.
+The synthetic arith task (arith.py) is graded and prompted as gsm8k.
 
-Reward
-------
-`reward(kind, completion, gold, *, strict=False, signed=False, format_weight=0.0, prompt="ours")
--> (total, parts)` (the options keyword-only):
-    correct = 1 if grade(..., strict) else 0   (signed=True: +1 / -1, the DAPO recipe's accuracy reward)
-    format  = format_weight * [prompt "ours": the completion gave a final answer in an explicit spot
-                               (has_final_answer: `#### N` / `<answer>` for gsm8k, a closed non-empty
-                               `\\boxed{}` / `<answer>` for math);
-                               prompt "official": `<think>...</think>` then `<answer>...</answer>`
-                               (think_answer_format, the official soft format reward)]
-    total   = correct + format,  parts = {"correct": ..., "format": ...}
+Rewards (REWARDS, reward)
+-------------------------
+`reward(kind, completion, gold, variant, *, signed=False, format_weight=None, prompt=None)` returns
+(total, parts) with parts = {"correct": ..., "format": ...} summing to total. The variants, for gsm8k:
 
-What the official code trains with, and what the paper reports (NVlabs/QeRL; results/recipe.md):
-- GSM8K training is strict: 2.0 if the text inside the answer tags equals the gold string exactly (the
-  whole completion when it has no tag), plus 0.2 for the think/answer tags. Our strict mode with
-  prompt="official" and format_weight=0.1 is that reward halved, which advantages divided by the
-  group's reward std do not see; we compare values, not strings (`18.00`, `$18` and `1,000` are
-  right), and a completion that is the bare number, with no tag, is wrong here.
-- BigMath training: 1.0 from math-verify with boxed answers tried first and its fallback turned off
-  (try_extract_without_anchor=False), so the answer is read only where something marks it as one (a
-  `\\boxed{}`, "final answer is", "answer:"), never taken from the last expression found anywhere in
-  the text; plus the same 0.2 format reward: strict mode, prompt="official", format_weight=0.2.
-  DAPO-Math: 1.0 for DAPO's last-line `Answer: X` (string match after normalization), no format
-  reward; we ask and grade it as every math problem (\\boxed{}, math-verify), format_weight=0.
-- Reported numbers: trained models' GSM8K through the official eval script (the official prompt,
-  the answer read from the tags: strict, but see eval.py for its first-character comparison); base
-  models' GSM8K through lm-eval, which prints both its strict `#### N` match and its flexible last-
-  number match; MATH500 / AIME / AMC through lighteval's math-verify, which reads the final answer
-  wherever the completion states it (lenient about format). eval.py reports both of ours side by side.
+  variant   correct part                                format part                        asked with
+  paper     1.0 if the number after the last `#### `    0.2 for a closed `<think>` block   paper
+            equals the gold string                      with something in it
+  official  2.0 if the text in the last `<answer>`      0.2 for `<think>...</think>` then  bare
+            tag equals the gold string                  `<answer>...</answer>`
+  strict    1 (signed: +1 / -1, the DAPO recipe's) if   format_weight (default 0) if the   ours
+            grade(strict=True): `#### N` or `<answer>`  answer is in the form its prompt
+  lenient   the same with grade's lenient reader        asks (asked_form)                  ours
 
-Datasets
---------
-`load_dataset(name_or_path, split="test", limit=None, data_dir=None)` returns a list of records
-    {"question": str, "answer": str (the short gold answer that `grade` takes), "kind": "gsm8k"|"math",
-     "solution": str (worked solution, when the source has one), "id", "level", "subject" (when present)}
-Named sets: gsm8k (train/test), math500, aime24, amc23 (test; the AIME set's only hub split is "train"),
-arith (train/test, generated), and the paper's training sets (train only): bigmath
-(open-r1/Big-Math-RL-Verified-Processed, config level_3_4_5), bigmath-hard (config level_4_5) and
-dapo-math (open-r1/DAPO-Math-17k-Processed, config en). These are read in their hub schema (`prompt`
-is the problem, `solution` the short answer; DAPO's `prompt` wraps the problem in its "Answer:"
-instruction, which we remove) and filtered as the official code does (prompts over 1024 characters
-dropped); they are graded as math (math-verify).
-A named set is read from `<data_dir>/<name>/<split>.jsonl`, where data_dir defaults to $QERL_DATA, else
-~/.cache/qerl/data. If that file is missing we download it from the
-Hugging Face Hub with `huggingface_hub` (the file for the split is found by listing the repo) and cache
-it there; offline (no network, or HF_HUB_OFFLINE=1) that fails with an error naming the path to put the
-file at. Hub sources: openai/gsm8k (config "main", parquet: needs pyarrow), HuggingFaceH4/MATH-500,
-HuggingFaceH4/aime_2024, math-ai/amc23.
-Any `PATH.jsonl` also works: one JSON object a line with the question in `question` (or `problem`, or a
-string `prompt`) and the gold in `answer`, or only a `solution` whose `#### N` or last `\\boxed{}` is
-the gold. A `kind` field sets the grading; without it an answer written `... #### N` is gsm8k and
-anything else math. Blank lines are skipped; malformed lines are reported all at once, as
-`path:line: reason`.
+paper is NVlabs/QeRL at 1bf4803, the first release and the code of the paper's time: qerl.py pairs
+GSM8K with utils/rewards.py's gsm8k_score (strict `#### N`, 1.0) and think_reward_func (0.2), and
+utils/data.py asks with the think/`####` instruction. official is HEAD, e8c6e79: qerl.py pairs GSM8K with
+correctness_reward_func (2.0) and soft_format_reward_func (0.2), utils/data.py asks the bare question.
+TRL adds the reward functions' outputs (reward_weights default to 1). Which produced the paper's
+numbers: `paper`. 1bf4803 is the first commit, published with the paper, and its scripts are the
+recipe the paper describes; HEAD's reward and prompt came six weeks later, in two commits that change
+nothing else (`Update data.py`, `Update qerl.py`). So the paper's recipe defaults to `paper`, and
+`official` is there to compare with what the repository trains today. The exact behaviour of each,
+which the variants reproduce (tests/test_tasks.py, cases written from the official functions):
+- paper reads `#### ` (one space), then a run of digits, `.` and `,` with an optional leading `-`; it
+  takes the last such run, drops its commas and compares the string with the gold. So `#### 18.00`,
+  `#### 18.` (the period is in the run), `####18` and `#### $18` are wrong, and a gold written with a
+  thousands comma (79 of GSM8K's 7,473 training answers, e.g. `1,080`) can never be matched: such a
+  problem pays only the format part. The think block needs at least one character between the tags.
+- official takes the text after the last `<answer>` up to the next `</answer>` (to the end when the tag
+  is not closed; the whole completion when there is none), stripped, and compares it with the gold
+  string: `18.0`, `$18` and `18 apples` are wrong; a completion that is just `18` is right. Its format
+  check allows empty tags and anything around them.
+- For kind "math" (BigMath) both are the same: the BigMath reward did not change between the commits.
+  1.0 from math-verify (accuracy_reward: the whole completion parsed with boxed answers tried first and
+  no unanchored fallback, try_extract_without_anchor=False) plus 0.2 for think-then-answer tags
+  (soft_format_reward_func), asked with the official system prompt. Here the correct part is `grade`
+  (the last box, else the last `<answer>` tag, judged as above): the same judge, a narrower reader (an
+  answer stated only after "the final answer is", with no box or tag, is wrong here), and a gold that
+  math-verify cannot parse grades 0 where the official reward returns None (TRL skips it).
+- DAPO-Math's official reward (dapo_score: 1.0 for DAPO's last-line `Answer: X`, no format part) is not
+  a variant: we ask and grade DAPO-Math as every math problem.
+strict and lenient are ours: the value, not the string (`18.00`, `$18` and `1,080` are right), the
+answer in the spot our prompt asks for (strict) or anywhere (lenient), and a format weight chosen per
+run. Advantages divide by the group's reward std, so only the ratio of the format part to the correct
+part matters: paper 0.2 : 1, official 0.2 : 2.
+
+What the reported numbers measure (results/recipe.md): trained models' GSM8K through the official eval
+script (the official prompt, the answer read from the tags: strict, but see eval.py for its
+first-character comparison); base models' GSM8K through lm-eval, which prints both its strict `#### N`
+match and its flexible last-number match; MATH500 / AIME / AMC through lighteval's math-verify, which
+reads the final answer wherever the completion states it (lenient about format). eval.py reports both of
+ours side by side.
 """
 
-import argparse
-import json
-import multiprocessing
-import os
+import math
 import re
 import threading
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
-from pathlib import Path
 
 KINDS = ("gsm8k", "math")
+DEFAULT_TIMEOUT = 5  # seconds for each math-verify parse / comparison (signal.alarm takes whole seconds)
+
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 # The official QeRL system prompt (utils/data.py for BigMath, eval/gsm8k.py), without its source
@@ -128,8 +125,21 @@ OFFICIAL_SYSTEM_PROMPT = (
     "Solve the following math problem step by step. The reasoning process and direct answer are enclosed "
     "within <think> </think> and <answer> </answer> tags, respectively, i.e., <think> reasoning process here "
     "</think> <answer> answer here </answer>: \n<think>\n...\n</think>\n<answer>\n...\n</answer>")
-PROMPT_STYLES = ("ours", "official")
-DEFAULT_TIMEOUT = 5  # seconds for each math-verify parse / comparison (signal.alarm takes whole seconds)
+# The instruction after each GSM8K question at NVlabs/QeRL 1bf4803 (utils/data.py), without its source
+# indentation. The `#     ` that opens its last four lines is in the text the model sees (it sits inside
+# the string literal, where it reads like a comment), so it is kept: the policy must see what the paper's
+# policy saw.
+PAPER_GSM8K_INSTRUCTION = (
+    "Let's think step by step first within <think> </think> tags, and output the final answer after \"####\" "
+    "tag, i.e.,: \n#     <think>\n#     ...\n#     </think>\n#     #### number")
+# style -> kind -> (system message, instruction after the question); "" is none.
+PROMPTS = {
+    "ours": {"gsm8k": ("", GSM8K_INSTRUCTION), "math": ("", MATH_INSTRUCTION)},
+    "paper": {"gsm8k": ("", PAPER_GSM8K_INSTRUCTION), "math": (OFFICIAL_SYSTEM_PROMPT, "")},
+    "official": {"gsm8k": (OFFICIAL_SYSTEM_PROMPT, ""), "math": (OFFICIAL_SYSTEM_PROMPT, "")},
+    "bare": {"gsm8k": ("", ""), "math": ("", "")},
+}
+PROMPT_STYLES = tuple(PROMPTS)
 
 # ---------------------------------------------------------------------------------------------------
 # Reading answers out of text
@@ -353,91 +363,19 @@ def _math_verify(gold, pred, timeout):
     return bool(verify(g, p, timeout_seconds=timeout))
 
 
-def _worker_main(conn):
-    """Child-process loop serving math-verify to threads of the parent; its main thread owns SIGALRM."""
-    import math_verify  # noqa: F401  (pay the import before saying ready)
-    conn.send("ready")
-    while True:
-        try:
-            gold, pred, timeout = conn.recv()
-        except (EOFError, OSError):
-            return
-        try:
-            ok = _math_verify(gold, pred, timeout)
-        except Exception:  # a grading error is a wrong answer, never a dead worker
-            ok = False
-        conn.send(ok)
-
-
-class _VerifyWorker:
-    """One spawned child process running math-verify; a stuck child is killed and respawned."""
-
-    START_S = 120  # spawning imports sympy: seconds on a loaded machine
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._proc = self._conn = None
-
-    def _start(self):
-        ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA/threads
-        parent, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_worker_main, args=(child,), daemon=True, name="tasks-math-verify")
-        self._proc.start()
-        child.close()
-        self._conn = parent
-        if not parent.poll(self.START_S):
-            self._stop()
-            raise RuntimeError("math-verify worker process did not start")
-        parent.recv()
-
-    def _stop(self):
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.join()
-            self._conn.close()
-        self._proc = self._conn = None
-
-    @property
-    def pid(self):
-        return None if self._proc is None else self._proc.pid
-
-    def run(self, gold, pred, timeout, wait=None):
-        """math-verify(gold, pred) in the child; False if it gives no answer within `wait` seconds
-        (default: room for its two parses and several comparisons, each bounded by `timeout`)."""
-        wait = 6 * timeout + 10 if wait is None else wait
-        with self._lock:
-            if self._proc is None or not self._proc.is_alive():
-                try:
-                    self._start()
-                except (AssertionError, OSError, RuntimeError):
-                    # No child possible (e.g. we are a daemonic process): grade here, without a timeout.
-                    return _math_verify(gold, pred, None)
-            try:
-                self._conn.send((gold, pred, timeout))
-                if self._conn.poll(wait):
-                    return bool(self._conn.recv())
-            except (EOFError, OSError):
-                pass
-            self._stop()
-            return False
-
-
-_WORKER = _VerifyWorker()
-
-
 def math_equal(gold, pred, timeout=DEFAULT_TIMEOUT):
-    """Whether two bare LaTeX answers are the same: normalized strings, else math-verify (safe on any
-    thread, each step bounded by `timeout` seconds)."""
-    timeout = max(1, int(timeout))
+    """Whether two bare LaTeX answers are the same: normalized strings, else math-verify, each of its
+    steps bounded by `timeout` seconds (main thread only), or unbounded with timeout=None (any thread)."""
     if normalize_latex(gold) == normalize_latex(pred) != "":
         return True
-    if threading.current_thread() is threading.main_thread():
-        return _math_verify(gold, pred, timeout)
-    return _WORKER.run(gold, pred, timeout)
+    if timeout is not None and threading.current_thread() is not threading.main_thread():
+        raise ValueError("grading math off the main thread: math-verify bounds its time with signal.alarm, which "
+                         "works only on the main thread; grade there, or pass timeout=None (no bound)")
+    return _math_verify(gold, pred, None if timeout is None else max(1, int(timeout)))
 
 
 # ---------------------------------------------------------------------------------------------------
-# Grading and reward
+# Grading
 # ---------------------------------------------------------------------------------------------------
 
 def _check_kind(kind):
@@ -449,7 +387,8 @@ def grade(kind, completion, gold, timeout=DEFAULT_TIMEOUT, *, strict=False):
     """True when `completion` (free model text) gives the `gold` answer. kind "gsm8k": gold is a dataset
     answer with `#### N` or the bare number; kind "math": gold is a LaTeX answer (see module doc).
     strict: the answer counts only in an explicit answer spot (gsm8k: `#### N` or `<answer>`; the
-    lenient default also reads the last box, else the last number anywhere). Math is always strict."""
+    lenient default also reads the last box, else the last number anywhere). Math is always strict.
+    timeout: seconds for each math-verify step (None: unbounded, for threads other than the main one)."""
     _check_kind(kind)
     if kind == "gsm8k":
         v = _gsm8k_value(completion, strict)
@@ -462,38 +401,167 @@ def grade(kind, completion, gold, timeout=DEFAULT_TIMEOUT, *, strict=False):
     return math_equal(gold if gold_box is None else gold_box, pred, timeout)
 
 
-def reward(kind, completion, gold, *, strict=False, signed=False, format_weight=0.0, prompt="ours"):
-    """(total, parts): correctness 1/0 (signed: +1/-1, as DAPO), graded strict or lenient (see grade),
-    plus format_weight if the completion has the prompted form: an explicit final answer (prompt "ours":
-    has_final_answer) or think-then-answer tags (prompt "official": think_answer_format, the official
-    soft format reward). parts = {"correct", "format"} sum to total."""
-    if prompt not in PROMPT_STYLES:
-        raise ValueError(f"unknown prompt style {prompt!r}; styles are {PROMPT_STYLES}")
-    ok = grade(kind, completion, gold, strict=strict)
-    correct = (1.0 if ok else -1.0) if signed else float(ok)
-    shaped = think_answer_format(completion) if prompt == "official" else has_final_answer(kind, completion)
-    fmt = float(format_weight) * float(shaped)
-    return correct + fmt, {"correct": correct, "format": fmt}
+# ---------------------------------------------------------------------------------------------------
+# Rewards: the official variants' readers, the table, the reward
+# ---------------------------------------------------------------------------------------------------
+
+_PAPER_HASH_RE = re.compile(r"#### (-?[0-9.,]+)")  # one space, then digits, points and commas
+_THINK_BLOCK_RE = re.compile(r"<think>.+?</think>", re.DOTALL)
+
+
+def paper_hash_answer(text):
+    """The answer that the 1bf4803 GSM8K reward reads: the run of digits, `.` and `,` (optionally after a
+    `-`) that follows the last `#### `, its commas dropped; None when there is none."""
+    runs = _PAPER_HASH_RE.findall(text)
+    return runs[-1].replace(",", "") if runs else None
+
+
+def has_think_block(text):
+    """The 1bf4803 GSM8K format check: `<think>`, at least one character, `</think>`, anywhere."""
+    return _THINK_BLOCK_RE.search(text) is not None
+
+
+def official_answer_text(text):
+    """The answer that HEAD's GSM8K reward reads: the text after the last `<answer>` (the whole text when
+    there is none) up to the next `</answer>` (to the end when there is none), stripped."""
+    start = text.rfind("<answer>")
+    body = text if start < 0 else text[start + len("<answer>"):]
+    end = body.find("</answer>")
+    return (body if end < 0 else body[:end]).strip()
+
+
+def _gold_text(gold):
+    """A GSM8K gold as the official code holds it: the string after `####`, stripped."""
+    text = str(gold)
+    return (text.rsplit("####", 1)[1] if "####" in text else text).strip()
+
+
+def asked_form(kind, completion, prompt="ours"):
+    """Whether the completion has the form that the `prompt` style asks a `kind` problem for, checked as
+    that style's own reward checks it: ours, an answer in an explicit spot (has_final_answer); paper,
+    the think block (gsm8k) or think-then-answer tags (math); official, think-then-answer tags. The bare
+    prompt asks for no form: ValueError."""
+    _check_kind(kind)
+    if prompt == "ours":
+        return has_final_answer(kind, completion)
+    if prompt == "paper" and kind == "gsm8k":
+        return has_think_block(completion)
+    if prompt in ("paper", "official"):
+        return think_answer_format(completion)
+    raise ValueError(f"prompt style {prompt!r} asks for no answer form, so there is none to reward"
+                     if prompt in PROMPT_STYLES else f"unknown prompt style {prompt!r}; styles are {PROMPT_STYLES}")
 
 
 @dataclass(frozen=True)
+class Reward:
+    """A named reward: what it pays for a right answer and for the format (per kind), how it reads and
+    judges the answer, what earns the format part, the prompt style it pairs with (per kind), its source."""
+    correct: dict  # kind -> paid for a right answer
+    format: dict  # kind -> paid for the format (strict / lenient: format_weight's default)
+    grading: str
+    form: str
+    prompt: dict  # kind -> prompt style
+    source: str
+
+
+def _both(v):
+    return {kind: v for kind in KINDS}
+
+
+_MATH_OFFICIAL = "math: math-verify on the last box, else the last <answer> tag"
+REWARDS = {
+    "paper": Reward(
+        _both(1.0), _both(0.2),
+        "gsm8k: the number after the last '#### ' equals the gold string (paper_hash_answer); " + _MATH_OFFICIAL,
+        "gsm8k: a closed <think> block with something in it; math: <think>...</think> then <answer>...</answer>",
+        {"gsm8k": "paper", "math": "paper"},
+        "NVlabs/QeRL 1bf4803: qerl.py get_dataset; utils/rewards.py gsm8k_score + think_reward_func (GSM8K), "
+        "accuracy_reward + soft_format_reward_func (BigMath); utils/data.py (prompts)"),
+    "official": Reward(
+        {"gsm8k": 2.0, "math": 1.0}, _both(0.2),
+        "gsm8k: the text in the last <answer> tag equals the gold string (official_answer_text); " + _MATH_OFFICIAL,
+        "<think>...</think> then <answer>...</answer> (think_answer_format)",
+        {"gsm8k": "bare", "math": "official"},
+        "NVlabs/QeRL e8c6e79: qerl.py get_dataset; utils/rewards.py correctness_reward_func + "
+        "soft_format_reward_func (GSM8K), accuracy_reward + soft_format_reward_func (BigMath); utils/data.py"),
+    "strict": Reward(
+        _both(1.0), _both(0.0), "grade(strict=True): the value in `#### N` or <answer> (gsm8k), math as grade",
+        "the form the prompt asks for (asked_form)", _both("ours"), "ours"),
+    "lenient": Reward(
+        _both(1.0), _both(0.0), "grade(): also the last box, else the last number (gsm8k), math as grade",
+        "the form the prompt asks for (asked_form)", _both("ours"), "ours"),
+}
+OURS = ("strict", "lenient")  # the variants whose sign and format weight a run chooses
+
+
+def check_reward(variant, *, signed=False, format_weight=None, prompt=None):
+    """ValueError, in one line saying what to do, for a reward that reward() would refuse: an unknown
+    variant or prompt style, signed or a format weight with an official variant (its weights are its
+    source's), a format weight that is negative or not finite, or one with a prompt that asks for no form."""
+    if variant not in REWARDS:
+        raise ValueError(f"unknown reward variant {variant!r}; variants are {', '.join(REWARDS)}")
+    if prompt is not None and prompt not in PROMPT_STYLES:
+        raise ValueError(f"unknown prompt style {prompt!r}; styles are {PROMPT_STYLES}")
+    if variant not in OURS:
+        if signed or format_weight is not None:
+            r = REWARDS[variant]
+            raise ValueError(f"the {variant} reward pays as its source does ({r.correct['gsm8k']:g} right, "
+                             f"{r.format['gsm8k']:g} format): signed and a format weight are for "
+                             f"{' / '.join(OURS)}")
+        return
+    if format_weight is not None:
+        if not (isinstance(format_weight, (int, float)) and math.isfinite(format_weight) and format_weight >= 0):
+            raise ValueError(f"format weight {format_weight!r}: must be a finite number >= 0")
+        if format_weight and prompt == "bare":
+            raise ValueError("the bare prompt asks for no answer form: a format weight needs another prompt style "
+                             "(or 0)")
+
+
+def reward(kind, completion, gold, variant="lenient", *, signed=False, format_weight=None, prompt=None):
+    """(total, parts) for one completion, parts = {"correct", "format"} summing to total (module doc).
+    variant: a name of REWARDS. For strict / lenient: signed pays a wrong answer -1 (DAPO), format_weight
+    (None: 0) is paid when the completion has the form that `prompt` (None: "ours") asks for (asked_form).
+    paper / official pay their source's fixed weights whatever the prompt; signed or a weight is refused."""
+    check_reward(variant, signed=signed, format_weight=format_weight, prompt=prompt)
+    _check_kind(kind)
+    r = REWARDS[variant]
+    if variant in OURS:
+        ok = grade(kind, completion, gold, strict=variant == "strict")
+        correct = (1.0 if ok else -1.0) if signed else float(ok)
+        weight = r.format[kind] if format_weight is None else float(format_weight)
+        fmt = weight * float(asked_form(kind, completion, prompt or "ours")) if weight else 0.0
+        return correct + fmt, {"correct": correct, "format": fmt}
+    if kind == "math":  # the BigMath reward, the same at both commits
+        ok, shaped = grade("math", completion, gold), think_answer_format(completion)
+    elif variant == "paper":
+        ok, shaped = paper_hash_answer(completion) == _gold_text(gold), has_think_block(completion)
+    else:
+        ok, shaped = official_answer_text(completion) == _gold_text(gold), think_answer_format(completion)
+    correct, fmt = r.correct[kind] * float(ok), r.format[kind] * float(shaped)
+    return correct + fmt, {"correct": correct, "format": fmt}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Prompts
+# ---------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
 class Task:
-    """A kind of problem: how to ask it, how to read the answer, how to judge it. prompt "ours": the
-    instruction follows the question in one user message; "official": the official system prompt, then
-    the bare question."""
+    """A kind of problem asked in one prompt style (PROMPTS): the system message, if any, then the question
+    with the instruction, if any, after it in one user message."""
     kind: str
-    instruction: str
+    instruction: str = ""
+    system: str = ""
     prompt: str = "ours"
 
     def messages(self, question):
-        if self.prompt == "official":
-            return [{"role": "system", "content": OFFICIAL_SYSTEM_PROMPT},
-                    {"role": "user", "content": question.strip()}]
-        return [{"role": "user", "content": f"{question.strip()}\n{self.instruction}"}]
+        user = question.strip() + (f"\n{self.instruction}" if self.instruction else "")
+        return ([{"role": "system", "content": self.system}] if self.system else []) + [
+            {"role": "user", "content": user}]
 
     def build_prompt(self, tokenizer, question):
-        """The prompt text for a chat model: the question and instruction in its chat template, ending
-        with the assistant header so generation starts the answer."""
+        """The prompt text for a chat model: the messages in its chat template, ending with the assistant
+        header so generation starts the answer."""
         return tokenizer.apply_chat_template(self.messages(question), add_generation_prompt=True,
                                              tokenize=False)
 
@@ -501,301 +569,11 @@ class Task:
         """build_prompt's token ids: the template already holds every special token."""
         return tokenizer(self.build_prompt(tokenizer, question), add_special_tokens=False)["input_ids"]
 
-    def extract(self, completion, strict=False):
-        return extract_answer(self.kind, completion, strict)
-
-    def grade(self, completion, gold, strict=False):
-        return grade(self.kind, completion, gold, strict=strict)
-
-    def reward(self, completion, gold, **kw):
-        return reward(self.kind, completion, gold, prompt=self.prompt, **kw)
-
-
-TASKS = {"gsm8k": Task("gsm8k", GSM8K_INSTRUCTION), "math": Task("math", MATH_INSTRUCTION)}
-
 
 def get_task(kind, prompt="ours"):
-    """The Task of a kind, asked with our instruction (prompt "ours") or the official system prompt."""
+    """The Task of a kind asked in a prompt style (PROMPT_STYLES: ours, paper, official, bare)."""
     _check_kind(kind)
     if prompt not in PROMPT_STYLES:
         raise ValueError(f"unknown prompt style {prompt!r}; styles are {PROMPT_STYLES}")
-    return TASKS[kind] if prompt == "ours" else Task(kind, TASKS[kind].instruction, prompt)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Datasets
-# ---------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class HubSource:
-    repo_id: str
-    splits: dict  # our split name -> the hub's split name
-    config: str = ""  # folder of the repo holding this config's files ("" = the whole repo)
-    prepare: object = None  # raw hub row -> a row with question/answer fields, or None to drop it
-
-
-# The wrapper DAPO-Math-17k puts around each problem (its "Answer: X" last-line format); we strip it so
-# the problem is asked like every other math problem (\boxed{}), graded by one judge.
-_DAPO_HEAD = ("Solve the following math problem step by step. The last line of your response should be of "
-              "the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
-_DAPO_TAIL = '\n\nRemember to put your answer on its own line after "Answer:".'
-MAX_PROMPT_CHARS = 1024  # the official length filter on BigMath / DAPO-Math prompts, in characters
-
-
-def _bigmath_row(row):
-    """open-r1/Big-Math-RL-Verified-Processed: `prompt` is the problem, `solution` the short answer
-    (LaTeX, checked parseable by math-verify when the set was built); `source`, `domain`,
-    `llama8b_solve_rate` describe it. Problems over MAX_PROMPT_CHARS are dropped, as officially."""
-    if not isinstance(row.get("prompt"), str) or len(row["prompt"]) > MAX_PROMPT_CHARS:
-        return None
-    out = {"question": row["prompt"], "answer": row.get("solution")}
-    if row.get("source") is not None:
-        out["subject"] = row["source"]
-    return out
-
-
-def _dapo_row(row):
-    """open-r1/DAPO-Math-17k-Processed: `prompt` is the user message of `source_prompt` (the problem in
-    DAPO's wrapper), `solution` the integer answer (`reward_model.ground_truth`). The official filter
-    (source_prompt's content over MAX_PROMPT_CHARS) runs on the wrapped text; the wrapper is then removed."""
-    text = row.get("prompt")
-    src = row.get("source_prompt")
-    if isinstance(src, list) and src and isinstance(src[0], dict):
-        text = src[0].get("content", text)
-    if not isinstance(text, str) or len(text) > MAX_PROMPT_CHARS:
-        return None
-    question = text.removeprefix(_DAPO_HEAD).removesuffix(_DAPO_TAIL)
-    out = {"question": question, "answer": row.get("solution")}
-    info = row.get("extra_info")
-    if isinstance(info, dict) and info.get("index") is not None:
-        out["id"] = info["index"]
-    return out
-
-
-# name -> (grading kind, where to get it). arith is generated by arith.py, not downloaded. The paper's
-# training sets (bigmath, bigmath-hard, dapo-math) have only a train split.
-_BIGMATH = "open-r1/Big-Math-RL-Verified-Processed"
-DATASETS = {
-    "gsm8k": ("gsm8k", HubSource("openai/gsm8k", {"train": "train", "test": "test"}, config="main")),
-    "math500": ("math", HubSource("HuggingFaceH4/MATH-500", {"test": "test"})),
-    "aime24": ("math", HubSource("HuggingFaceH4/aime_2024", {"test": "train"})),
-    "amc23": ("math", HubSource("math-ai/amc23", {"test": "test"})),
-    "bigmath": ("math", HubSource(_BIGMATH, {"train": "train"}, config="level_3_4_5", prepare=_bigmath_row)),
-    "bigmath-hard": ("math", HubSource(_BIGMATH, {"train": "train"}, config="level_4_5", prepare=_bigmath_row)),
-    "dapo-math": ("math", HubSource("open-r1/DAPO-Math-17k-Processed", {"train": "train"}, config="en",
-                                    prepare=_dapo_row)),
-    "arith": ("gsm8k", None),
-}
-
-
-def default_data_dir():
-    return Path(os.environ.get("QERL_DATA") or Path.home() / ".cache" / "qerl" / "data")
-
-
-def dataset_path(name, split="test", data_dir=None):
-    """Where the named dataset's split is read from (and cached to)."""
-    return Path(data_dir if data_dir is not None else default_data_dir()) / name / f"{split}.jsonl"
-
-
-def _answer_text(v):
-    if isinstance(v, bool):
-        return str(v)
-    if isinstance(v, float) and v.is_integer():
-        return str(int(v))  # amc23 stores 27.0
-    return str(v).strip()
-
-
-def _normalize(row, kind):
-    """A raw row as a record, or a str saying what is wrong with it."""
-    if not isinstance(row, dict):
-        return f"expected a JSON object, got {type(row).__name__}"
-    question = next((row[k] for k in ("question", "problem", "prompt")
-                     if isinstance(row.get(k), str) and row[k].strip()), None)
-    if question is None:
-        return "no question: needs a non-empty 'question' (or 'problem', or a string 'prompt') field"
-    solution = row.get("solution") if isinstance(row.get("solution"), str) else None
-    answer = row.get("answer")
-    if answer is None and solution:
-        answer = solution if "####" in solution else extract_boxed(solution)
-    if answer is None or _answer_text(answer) == "":
-        return "no answer: needs an 'answer' field, or a 'solution' with '#### N' or a \\boxed{} answer"
-    answer = _answer_text(answer)
-    hashed = "####" in answer
-    if hashed:
-        solution = solution or answer
-        answer = answer.rsplit("####", 1)[1].strip()
-    kind = row.get("kind") or kind or ("gsm8k" if hashed else "math")
-    if kind not in KINDS:
-        return f"unknown kind {kind!r}; kinds are {KINDS}"
-    rec = {"question": question, "answer": answer, "kind": kind}
-    if solution:
-        rec["solution"] = solution
-    rid = row.get("id", row.get("unique_id"))
-    if rid is not None:
-        rec["id"] = rid
-    for k in ("level", "subject"):
-        if row.get(k) is not None:
-            rec[k] = row[k]
-    return rec
-
-
-def read_jsonl(path, kind=None, limit=None, prepare=None):
-    """Records from a jsonl file (see module doc for the fields). `prepare` maps each raw row first (a
-    hub set's own schema; None from it drops the row); `limit` keeps the first N (None: all). Raises
-    ValueError listing every malformed line as `path:line: reason`."""
-    _check_limit(limit)
-    path = Path(path)
-    records, errors = [], []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                if prepare is not None and isinstance(row, dict):
-                    row = prepare(row)
-                    if row is None:
-                        continue
-                rec = _normalize(row, kind)
-            except json.JSONDecodeError as e:
-                rec = f"invalid JSON ({e.msg} at column {e.colno})"
-            if isinstance(rec, str):
-                errors.append(f"{path}:{lineno}: {rec}")
-            else:
-                records.append(rec)
-    if errors:
-        shown = "\n  ".join(errors[:20]) + (f"\n  ... and {len(errors) - 20} more" if len(errors) > 20 else "")
-        raise ValueError(f"{len(errors)} malformed line(s) in {path}:\n  {shown}")
-    return records[:limit] if limit is not None else records
-
-
-def _hub_offline():
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def _pick_files(files, source, hub_split):
-    """The repo files holding `hub_split`: `<split>.jsonl`, `<split>-00000-of-00001.parquet`,
-    `.../<split>/0000.parquet` and the like, jsonl preferred over json over parquet."""
-    prefix = source.config + "/" if source.config else ""
-    for ext in (".jsonl", ".json", ".parquet"):
-        hits = sorted(f for f in files if f.startswith(prefix) and f.endswith(ext)
-                      and (Path(f).name.startswith(hub_split + ".") or Path(f).name.startswith(hub_split + "-")
-                           or Path(f).parent.name == hub_split))
-        if hits:
-            return hits
-    raise FileNotFoundError(f"no file for split {hub_split!r} in {source.repo_id} among {files}")
-
-
-def _read_rows(local):
-    if local.endswith(".parquet"):
-        try:
-            import pyarrow.parquet as pq
-        except ImportError as e:
-            raise ImportError(f"{local} is parquet: `pip install pyarrow` to read it") from e
-        return pq.read_table(local).to_pylist()
-    text = Path(local).read_text(encoding="utf-8")
-    if local.endswith(".json"):
-        try:
-            data = json.loads(text)
-            return data if isinstance(data, list) else data.get("data", data.get("rows", []))
-        except json.JSONDecodeError:
-            pass  # `datasets.to_json` writes JSON lines under a .json name
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
-
-
-def _fetch(source, hub_split):
-    """Raw rows of one split from the Hugging Face Hub."""
-    from huggingface_hub import HfApi, hf_hub_download
-    files = HfApi().list_repo_files(source.repo_id, repo_type="dataset")
-    rows = []
-    for f in _pick_files(files, source, hub_split):
-        rows += _read_rows(hf_hub_download(source.repo_id, f, repo_type="dataset"))
-    return rows
-
-
-def _download(name, source, split, path):
-    if _hub_offline():
-        reason = "offline (HF_HUB_OFFLINE is set)"
-    else:
-        try:
-            rows = _fetch(source, source.splits[split])
-        except Exception as e:  # no network, missing pyarrow, repo moved: all end the same way
-            reason = f"download from the Hugging Face Hub ({source.repo_id}) failed: {type(e).__name__}: {e}"
-        else:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".jsonl.tmp")
-            with open(tmp, "w", encoding="utf-8") as f:
-                for row in rows:
-                    f.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
-            os.replace(tmp, path)
-            return
-    if source.prepare is not None:  # a hub set in its own schema: get the hub's rows as they are
-        how = (f"On a machine with network run `python tasks.py --data {name} --split {split}` (it downloads "
-               f"{source.repo_id}, config {source.config!r}, split {source.splits[split]!r}, and caches the raw "
-               f"rows as jsonl under its $QERL_DATA or ~/.cache/qerl/data) and copy {name}/{split}.jsonl "
-               f"from there to {path}; or write the rows of that split's parquet files to {path}, one "
-               f"JSON object a line in the hub's own fields")
-    else:
-        how = "Put the split there as jsonl (one object a line with 'question' or 'problem', and 'answer')"
-    raise FileNotFoundError(
-        f"dataset {name!r} split {split!r}: no local file at {path} and {reason}.\n"
-        f"{how}, or set QERL_DATA / pass data_dir to the folder holding {name}/{split}.jsonl, "
-        f"or pass the path of a .jsonl file instead of the name.")
-
-
-def _check_limit(limit):
-    # A negative limit would slice from the end (records[:-1] drops the last one): refuse it.
-    if limit is not None and not (isinstance(limit, int) and limit >= 0):
-        raise ValueError(f"limit must be a whole number >= 0 (how many records to keep from the start) or None "
-                         f"for all, got {limit!r}")
-
-
-def load_dataset(name_or_path, split="test", limit=None, data_dir=None):
-    """Records {question, answer, kind, [solution, id, level, subject]} of a named dataset's split or
-    of a jsonl file (see module doc). `limit` keeps the first N (None: all; ValueError below 0)."""
-    _check_limit(limit)
-    name = str(name_or_path)
-    if name in DATASETS:
-        kind, source = DATASETS[name]
-        if source is None:  # arith: generated, deterministic, nothing to cache
-            import arith
-            rows = arith.load(split, n=limit)
-            return [_normalize(r, kind) for r in rows]
-        if split not in source.splits:
-            raise ValueError(f"dataset {name!r} has splits {sorted(source.splits)}, not {split!r}")
-        path = dataset_path(name, split, data_dir)
-        if not path.exists():
-            _download(name, source, split, path)
-        return read_jsonl(path, kind=kind, limit=limit, prepare=source.prepare)
-    path = Path(name).expanduser()
-    if path.is_file():
-        return read_jsonl(path, limit=limit)
-    raise FileNotFoundError(f"{name!r} is neither a dataset name ({', '.join(DATASETS)}) nor a file")
-
-
-def main():
-    parser = argparse.ArgumentParser(description="Load (downloading and caching if needed) a dataset "
-                                                 "and show one prompt with its gold answer.")
-    parser.add_argument("--data", default="gsm8k",
-                        help="dataset name (" + ", ".join(DATASETS) + ") or a .jsonl path")
-    parser.add_argument("--split", default="test", help="split of a named dataset")
-    parser.add_argument("--limit", type=int, default=None, help="keep only the first N items (N >= 1)")
-    parser.add_argument("--data-dir", default=None,
-                        help="cache folder (default $QERL_DATA or ~/.cache/qerl/data)")
-    args = parser.parse_args()
-    if args.limit is not None and args.limit < 1:
-        parser.error(f"--limit {args.limit}: must be >= 1 (or leave it out for every item)")
-    try:
-        items = load_dataset(args.data, args.split, args.limit, args.data_dir)
-    except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"error: {e}")
-    kinds = sorted({it["kind"] for it in items})
-    print(f"{args.data}/{args.split}: {len(items)} items, kind {', '.join(kinds)}")
-    if items:
-        it = items[0]
-        print(get_task(it["kind"]).messages(it["question"])[0]["content"])
-        print("gold:", it["answer"])
-
-
-if __name__ == "__main__":
-    main()
+    system, instruction = PROMPTS[prompt][kind]
+    return Task(kind, instruction, system, prompt)

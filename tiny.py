@@ -174,9 +174,10 @@ def save_tokenizer(tokenizer, out):
 
 def arith_task():
     """The task object that eval.py and train.py use for arith problems (prompt, grading)."""
+    import data
     import tasks
 
-    return tasks.get_task(tasks.DATASETS["arith"][0])
+    return tasks.get_task(data.DATASETS["arith"][0])
 
 
 def prompt_text(tokenizer, question):

@@ -12,6 +12,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import data  # noqa: E402
 import eval as ev  # noqa: E402
 import tasks  # noqa: E402
 
@@ -137,13 +138,13 @@ def test_default_out_names_what_is_evaluated():
 
 
 def test_cli_prompt_style_is_used_and_recorded(tmp_path, monkeypatch):
-    """--prompt official asks with the official think/answer system prompt (the style train.py --prompt
-    official trains with), and the summary records which style was used."""
+    """Every prompt style (tasks.PROMPT_STYLES: ours, paper, official, bare) is a --prompt choice, asks
+    through tasks.get_task in that style (as train.py --prompt trains), and is recorded in the summary."""
     seen = []
     real = tasks.get_task
     monkeypatch.setattr(tasks, "get_task", lambda kind, prompt="ours": seen.append(prompt) or real(kind, prompt))
     common = ["--data", "arith", "--limit", "2", "--max-new-tokens", "4", "--temperature", "0"]
-    for style in ("official", "ours"):
+    for style in tasks.PROMPT_STYLES:
         seen.clear()
         summary = ev.main(common + ["--prompt", style, "--out", str(tmp_path / style)])
         assert set(seen) == {style}
@@ -151,3 +152,25 @@ def test_cli_prompt_style_is_used_and_recorded(tmp_path, monkeypatch):
     assert ev.parse_args([]).prompt == "ours"
     with pytest.raises(SystemExit):
         ev.parse_args(["--prompt", "nope"])
+
+
+def test_evaluate_reports_strict_next_to_lenient():
+    """Each completion graded both ways (tasks.grade), and the summary's strict figures from those grades."""
+    import hub
+    import model
+
+    items = data.load_dataset("arith", "test", limit=12)
+    m = model.Transformer.from_pretrained("tiny", dtype=torch.float32)
+    res = ev.evaluate(m, hub.load_tokenizer("tiny"), items, samples=2, temperature=1.0, top_p=1.0,
+                      max_new_tokens=48, seed=3)
+    recs = res["records"]
+    for r in recs:
+        assert r["correct_strict"] == tasks.grade("gsm8k", r["completion"], r["gold"], strict=True)
+        assert r["correct"] == tasks.grade("gsm8k", r["completion"], r["gold"])
+        assert r["correct_strict"] <= r["correct"]
+    assert res["accuracy"] == pytest.approx(sum(r["correct"] for r in recs) / len(recs))
+    assert res["accuracy_strict"] == pytest.approx(sum(r["correct_strict"] for r in recs) / len(recs))
+    assert res["answer_format"] == pytest.approx(sum(r["answer_format"] for r in recs) / len(recs))
+    per_item = [sum(r["correct_strict"] for r in recs if r["index"] == i) for i in range(len(items))]
+    assert res["pass@k_strict"][2] == pytest.approx(sum(c > 0 for c in per_item) / len(items))
+    assert res["pass@1"] == res["accuracy"] and set(res["pass@k"]) == set(res["pass@k_strict"]) == {1, 2}

@@ -1,5 +1,7 @@
 """tasks.py: answer extraction and grading on the real GSM8K / MATH500 golds, hand cases for every
-normalization, math-verify off the main thread and under its timeout, rewards, prompts and datasets."""
+normalization, strict next to lenient, math-verify under its timeout and off the main thread, the reward
+variants (paper, official, strict, lenient) on cases written from the official functions' behaviour,
+and the prompt styles."""
 
 import json
 import random
@@ -13,6 +15,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+import data  # noqa: E402
 import tasks  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data"  # the project's shared test data, next to the repo
@@ -31,7 +34,7 @@ def fresh_rng():
 
 @needs_data
 def test_every_gsm8k_test_item_is_correct_against_its_own_solution():
-    items = tasks.load_dataset("gsm8k", "test", data_dir=DATA)
+    items = data.load_dataset("gsm8k", "test", data_dir=DATA)
     assert len(items) == 1319
     # The number after '####' in the raw file, read independently of tasks.py.
     raw = [json.loads(line)["answer"] for line in open(DATA / "gsm8k" / "test.jsonl")]
@@ -52,7 +55,7 @@ def test_every_gsm8k_test_item_is_correct_against_its_own_solution():
 
 @needs_data
 def test_wrong_gsm8k_answers_are_wrong():
-    items = tasks.load_dataset("gsm8k", "test", data_dir=DATA)
+    items = data.load_dataset("gsm8k", "test", data_dir=DATA)
     golds = [int(it["answer"].replace(",", "")) for it in items]
     rng, seed = fresh_rng()
     perm = list(range(len(items)))
@@ -68,7 +71,7 @@ def test_wrong_gsm8k_answers_are_wrong():
 
 @needs_data
 def test_math500_gold_solutions_match_gold_answers():
-    items = tasks.load_dataset("math500", data_dir=DATA)
+    items = data.load_dataset("math500", data_dir=DATA)
     assert len(items) == 500
     ok = [tasks.grade("math", it["solution"], it["answer"]) for it in items]
     print(f"MATH500: {sum(ok)} of 500 gold solutions' last \\boxed{{}} judged equal to the gold answer; "
@@ -100,7 +103,7 @@ MATH500_EQUAL_BY_DESIGN = {frozenset(p) for p in [
 
 @needs_data
 def test_wrong_math500_answers_are_wrong():
-    items = tasks.load_dataset("math500", data_dir=DATA)
+    items = data.load_dataset("math500", data_dir=DATA)
     rng, seed = fresh_rng()
     perm = list(range(len(items)))
     rng.shuffle(perm)
@@ -259,7 +262,73 @@ def test_math_needs_a_box_and_gold_may_be_a_solution():
 
 
 # ------------------------------------------------------------------------------------------------
-# math-verify off the main thread and under its timeout
+# Strict and lenient grading
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("completion, lenient, strict", [
+    ("Adding them up gives 18 apples.", True, False),  # the last number anywhere: lenient only
+    ("So the total is \\boxed{18}.", True, False),  # a box is not what the GSM8K prompt asks for
+    ("12 + 6 = 18\n#### 18", True, True),
+    ("#### 1,8", False, False),
+    ("<think>12 + 6 = 18</think>\n<answer>\n18\n</answer>", True, True),
+    ("<answer>$18.00</answer>", True, True),  # the value, not the string (the official code: string)
+    ("<answer>17</answer> or maybe 18", False, False),  # an explicit answer wins over later numbers
+    ("<answer>18", True, False),  # an unclosed tag is no answer; lenient still finds the number
+    ("<answer>eighteen</answer>", False, False),
+    ("#### 17\n<answer>18</answer>", False, False),  # `####` first, as its prompt asks
+])
+def test_gsm8k_strict_and_lenient(completion, lenient, strict):
+    assert tasks.grade("gsm8k", completion, "Janet ... #### 18") is lenient
+    assert tasks.grade("gsm8k", completion, "18", strict=True) is strict
+    assert strict <= lenient  # whatever strict accepts, lenient accepts
+
+
+@pytest.mark.parametrize("completion, ok", [
+    ("so it is \\boxed{\\frac{7}{8}}", True),
+    ("<think>3/4 + 1/8</think><answer>\\frac{7}{8}</answer>", True),
+    ("<answer>the sum is \\boxed{0.875}</answer>", True),
+    ("The answer is 7/8.", False),  # no box, no tag: no answer, in either mode
+    ("\\boxed{}", False),
+])
+def test_math_needs_an_explicit_answer_in_both_modes(completion, ok):
+    assert tasks.grade("math", completion, "\\frac{7}{8}") is ok
+    assert tasks.grade("math", completion, "\\frac{7}{8}", strict=True) is ok
+
+
+def official_gsm8k_correct(completion, gold):
+    """The official GSM8K correctness rule, written from its description: the text after the last
+    `<answer>` up to the next `</answer>` (the whole text when there is no tag), stripped, equal to
+    the gold string."""
+    return completion.split("<answer>")[-1].split("</answer>")[0].strip() == gold
+
+
+def test_strict_gsm8k_agrees_with_the_official_rule_on_integers():
+    seed = random.SystemRandom().randrange(2**32)
+    rng = random.Random(seed)
+    forms = ["<think>{w}</think>\n<answer>\n{a}\n</answer>", "<think>{w}</think> <answer>{a}</answer>",
+             "{w} the answer is {a}", "<answer>{a}</answer>\n{w} {b}", "{w}"]
+    for _ in range(300):
+        gold, other = rng.randrange(10**4), rng.randrange(10**4)
+        a = rng.choice([gold, other])
+        text = rng.choice(forms).format(w=f"{rng.randrange(99)} + {rng.randrange(99)}", a=a, b=other)
+        ours = tasks.grade("gsm8k", text, str(gold), strict=True)
+        if "<answer>" in text or text.strip() == str(gold):
+            assert ours == official_gsm8k_correct(text, str(gold)), (seed, text, gold)
+        else:  # no tag: officially right only if the whole text is the number; strictly wrong here
+            assert not ours, (seed, text, gold)
+
+
+def test_extract_answer_strict():
+    assert tasks.extract_answer("gsm8k", "we get 7 and then 9") == "9"
+    assert tasks.extract_answer("gsm8k", "we get 7 and then 9", strict=True) is None
+    assert tasks.extract_answer("gsm8k", "<answer> 1,250 </answer>", strict=True) == "1250"
+    assert tasks.extract_answer("math", "<answer>x^2</answer>") == "x^2"
+    assert tasks.extract_answer_tag("<answer>a</answer> <answer> b </answer>") == "b"
+    assert tasks.extract_answer_tag("<answer>a") is None
+
+
+# ------------------------------------------------------------------------------------------------
+# math-verify under its timeout, and off the main thread
 # ------------------------------------------------------------------------------------------------
 
 # Pairs whose normalized strings differ, so the answer comes from math-verify itself.
@@ -267,44 +336,31 @@ MV_CASES = [("\\frac{1}{2}", "0.5", True), ("3\\sqrt{2}", "\\sqrt{18}", True), (
             ("x^2+2x+1", "(x+1)^2", True), ("\\frac{1}{2}", "\\frac{1}{3}", False)]
 
 
-def test_grade_from_threads_matches_main_thread():
+def test_off_the_main_thread_math_needs_timeout_none():
+    """math-verify's timeout is signal.alarm, main thread only: from a thread, grading math with a timeout
+    is refused in one line that says what to do, and timeout=None gives the main thread's answers."""
     for gold, pred, _ in MV_CASES:
         assert tasks.normalize_latex(gold) != tasks.normalize_latex(pred)
     main = [tasks.grade("math", f"\\boxed{{{p}}}", g) for g, p, _ in MV_CASES]
     assert main == [e for _, _, e in MV_CASES]
     with ThreadPoolExecutor(2) as pool:
-        futs = [pool.submit(tasks.grade, "math", f"\\boxed{{{p}}}", g) for g, p, _ in MV_CASES * 2]
-        threaded = [f.result() for f in futs]
-    assert threaded == main * 2
-    assert tasks._WORKER.pid is not None  # the threads really went through the child process
+        threaded = list(pool.map(lambda c: tasks.grade("math", f"\\boxed{{{c[1]}}}", c[0], timeout=None), MV_CASES))
+        assert threaded == main
+        with pytest.raises(ValueError, match="off the main thread.*timeout=None"):
+            pool.submit(tasks.grade, "math", "\\boxed{0.5}", "\\frac{1}{2}").result()
+        # Equal strings never reach math-verify, and gsm8k never uses it: both fine on any thread.
+        assert pool.submit(tasks.grade, "math", "\\boxed{\\dfrac{1}{2}}", "\\frac{1}{2}").result()
+        assert pool.submit(tasks.grade, "gsm8k", "#### 18", "18").result()
 
 
-def test_timeout_grades_false_on_main_thread_and_in_threads():
+def test_timeout_grades_false_on_the_main_thread():
     # sympy cannot settle 9^(9^(9^9)) == 1 quickly; the 1 s timeout must cut it off, not hang.
-    slow = ("9^{9^{9^{9}}}", "\\boxed{1}")
     assert threading.current_thread() is threading.main_thread()
-    assert tasks.grade("math", slow[1], slow[0], timeout=1) is False
-    result = []
-    t = threading.Thread(target=lambda: result.append(tasks.grade("math", slow[1], slow[0], timeout=1)))
-    t.start()
-    t.join()
-    assert result == [False]
-
-
-def test_stuck_worker_is_killed_and_replaced():
-    w = tasks._VerifyWorker()
-    try:
-        # A 60 s math-verify timeout but only 1 s of patience: the child is killed and the answer False.
-        assert w.run("9^{9^{9^{9}}}", "1", timeout=60, wait=1.0) is False
-        assert w.pid is None
-        assert w.run("\\frac{1}{2}", "0.5", timeout=5) is True  # a fresh child takes over
-        assert w.pid is not None
-    finally:
-        w._stop()
+    assert tasks.grade("math", "\\boxed{1}", "9^{9^{9^{9}}}", timeout=1) is False
 
 
 # ------------------------------------------------------------------------------------------------
-# Reward
+# Rewards: ours (strict, lenient)
 # ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind, completion, gold, signed, fw, total, parts", [
@@ -319,10 +375,179 @@ def test_stuck_worker_is_killed_and_replaced():
     ("math", "so it is 1/2", "\\frac12", True, 0.1, -1.0, {"correct": -1.0, "format": 0.0}),
     ("math", "\\boxed{3}", "\\frac12", False, 0.1, 0.1, {"correct": 0.0, "format": 0.1}),
 ])
-def test_reward_parts(kind, completion, gold, signed, fw, total, parts):
-    got_total, got_parts = tasks.reward(kind, completion, gold, signed=signed, format_weight=fw)
+def test_lenient_reward_parts(kind, completion, gold, signed, fw, total, parts):
+    got_total, got_parts = tasks.reward(kind, completion, gold, "lenient", signed=signed, format_weight=fw)
     assert got_parts == pytest.approx(parts)
     assert got_total == pytest.approx(total) == pytest.approx(sum(got_parts.values()))
+    assert tasks.reward(kind, completion, gold, signed=signed, format_weight=fw) == (got_total, got_parts)  # default
+
+
+@pytest.mark.parametrize("completion, variant, prompt, total, correct, fmt", [
+    ("<think>6+12</think>\n<answer>18</answer>", "strict", "official", 1.1, 1.0, 0.1),
+    ("<answer>18</answer>", "strict", "official", 1.0, 1.0, 0.0),  # official format needs the think tags too
+    ("<answer>18</answer>", "strict", "ours", 1.1, 1.0, 0.1),  # ours: an explicit answer spot
+    ("The total is 18.", "strict", "ours", 0.0, 0.0, 0.0),
+    ("The total is 18.", "lenient", "ours", 1.0, 1.0, 0.0),
+    ("<think>x</think><answer>17</answer>", "strict", "official", 0.1, 0.0, 0.1),  # format paid alone
+    ("#### 17", "strict", "ours", 0.1, 0.0, 0.1),
+    ("<think>6+12</think>\n#### 18", "strict", "paper", 1.1, 1.0, 0.1),  # paper asks for the think block
+    ("6+12\n#### 18", "strict", "paper", 1.0, 1.0, 0.0),
+])
+def test_strict_and_lenient_reward_total_and_parts(completion, variant, prompt, total, correct, fmt):
+    got, parts = tasks.reward("gsm8k", completion, "18", variant, format_weight=0.1, prompt=prompt)
+    assert parts == {"correct": correct, "format": pytest.approx(fmt)}
+    assert got == pytest.approx(total) == pytest.approx(parts["correct"] + parts["format"])
+    signed, sp = tasks.reward("gsm8k", completion, "18", variant, signed=True, prompt=prompt)
+    assert sp["correct"] == (1.0 if correct else -1.0) and sp["format"] == 0.0 and signed == sp["correct"]
+
+
+def test_math_reward_strict_official_format():
+    text = "<think>r = 2, so pi r^2</think>\n<answer>\\boxed{4\\pi}</answer>"
+    total, parts = tasks.reward("math", text, "4\\pi", "strict", format_weight=0.2, prompt="official")
+    assert parts == {"correct": 1.0, "format": pytest.approx(0.2)} and total == pytest.approx(1.2)
+    # The paper prompt asks math problems with the official system prompt: the same form.
+    assert tasks.reward("math", text, "4\\pi", "strict", format_weight=0.2, prompt="paper") == (total, parts)
+    assert tasks.reward("math", "\\boxed{4\\pi}", "4\\pi", "strict", format_weight=0.2, prompt="paper")[0] == 1.0
+
+
+# ------------------------------------------------------------------------------------------------
+# Rewards: paper (NVlabs/QeRL 1bf4803) and official (e8c6e79), on cases written from their behaviour
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("completion, gold, correct, fmt", [
+    ("<think>6 + 12 = 18</think>\n#### 18", "18", 1.0, 0.2),               # right, in the asked form
+    ("6 + 12 = 18\n#### 18", "18", 1.0, 0.0),                                # right, no think block
+    ("<think>6 + 12 = 17</think>\n#### 17", "18", 0.0, 0.2),                 # wrong: the format alone
+    ("<think>6 + 12</think>", "18", 0.0, 0.2),                               # tags only
+    ("<think></think>\n#### 18", "18", 1.0, 0.0),                            # an empty block pays nothing
+    ("<think>6 + 12 = 18\n#### 18", "18", 1.0, 0.0),                         # think never closed
+    ("#### 18.00", "18", 0.0, 0.0),                                          # a string compare: 18.00 != 18
+    ("#### 18.", "18", 0.0, 0.0),                                            # the period is in the run
+    ("####18", "18", 0.0, 0.0),                                              # one space after #### or nothing
+    ("####  18", "18", 0.0, 0.0),
+    ("#### $18", "18", 0.0, 0.0),
+    ("#### 1,080", "1080", 1.0, 0.0),                                        # commas dropped from the answer
+    ("#### 1,080", "1,080", 0.0, 0.0),                                       # ... not from the gold: never right
+    ("#### -3", "-3", 1.0, 0.0),
+    ("#### 18\nno, wait\n#### 17", "18", 0.0, 0.0),                          # the last `#### ` counts
+    ("#### 17\nno, wait\n#### 18", "18", 1.0, 0.0),
+    ("<think>6 + 12</think><answer>18</answer>", "18", 0.0, 0.2),            # answer in the wrong place
+    ("So the answer is \\boxed{18}.", "18", 0.0, 0.0),
+    ("The answer is 18", "18", 0.0, 0.0),
+    ("<think>x</think>\n#### 18", "Janet sells 16 - 3 - 4 = 9 ... #### 18", 1.0, 0.2),  # gold as a solution
+])
+def test_paper_reward_gsm8k(completion, gold, correct, fmt):
+    total, parts = tasks.reward("gsm8k", completion, gold, "paper")
+    assert parts == {"correct": correct, "format": fmt}
+    assert total == pytest.approx(correct + fmt)
+
+
+@pytest.mark.parametrize("completion, correct, fmt", [
+    ("<think>6 + 12</think>\n<answer>\n18\n</answer>", 2.0, 0.2),           # right, in the asked form
+    ("<think>6 + 12</think> <answer>18</answer>", 2.0, 0.2),
+    ("<think>6 + 12</think><answer>17</answer>", 0.0, 0.2),                  # wrong: the format alone
+    ("<think></think><answer></answer>", 0.0, 0.2),                          # tags only (empty tags count)
+    ("<think>x</think><answer>The answer is 18</answer>", 0.0, 0.2),         # extra text in the tag
+    ("<answer>18.0</answer>", 0.0, 0.0),                                     # a string compare
+    ("<answer>$18</answer>", 0.0, 0.0),
+    ("18", 2.0, 0.0),                                                        # no tag: the whole text
+    ("  18 \n", 2.0, 0.0),
+    ("12 + 6 = 18", 0.0, 0.0),
+    ("#### 18", 0.0, 0.0),                                                   # answer in the wrong place
+    ("<think>x</think><answer>18", 2.0, 0.0),                                # unclosed answer tag: read to the end
+    ("<think>x<answer>18</answer>", 2.0, 0.0),                               # think never closed
+    ("<answer>18</answer> and some more text", 2.0, 0.0),
+    ("<answer>18</answer><answer>17</answer>", 0.0, 0.0),                    # the last tag counts
+    ("<answer>17</answer><answer>18</answer>", 2.0, 0.0),
+])
+def test_official_reward_gsm8k(completion, correct, fmt):
+    total, parts = tasks.reward("gsm8k", completion, "18", "official")
+    assert parts == {"correct": correct, "format": fmt}
+    assert total == pytest.approx(correct + fmt)
+
+
+@pytest.mark.parametrize("completion, correct, fmt", [
+    ("<think>r</think>\n<answer>\\boxed{0.5}</answer>", 1.0, 0.2),
+    ("<think>r</think><answer>\\frac{1}{2}</answer>", 1.0, 0.2),             # the tag read when there is no box
+    ("so \\boxed{\\dfrac12}", 1.0, 0.0),
+    ("<think>r</think><answer>\\frac{1}{3}</answer>", 0.0, 0.2),
+    ("<think>r</think>", 0.0, 0.0),
+    ("The final answer is 1/2", 0.0, 0.0),                                   # no box, no tag: no answer here
+])
+def test_paper_and_official_math_reward_is_the_bigmath_one(completion, correct, fmt):
+    for variant in ("paper", "official"):
+        total, parts = tasks.reward("math", completion, "\\frac{1}{2}", variant)
+        assert parts == {"correct": correct, "format": fmt}, variant
+        assert total == pytest.approx(correct + fmt)
+
+
+def paper_rule(text, gold):
+    """The 1bf4803 GSM8K correctness, restated by hand from its description: after each `#### `, an
+    optional `-` and a run of digits, points and commas; the last run, commas dropped, equals the gold."""
+    runs = []
+    for piece in text.split("#### ")[1:]:
+        i = 1 if piece[:1] == "-" else 0
+        j = i
+        while j < len(piece) and piece[j] in "0123456789.,":
+            j += 1
+        if j > i:
+            runs.append(piece[:j])
+    return bool(runs) and runs[-1].replace(",", "") == gold
+
+
+def test_paper_and_official_rewards_agree_with_their_rules_on_random_texts():
+    seed = random.SystemRandom().randrange(2**32)
+    rng = random.Random(seed)
+    forms = ["<think>{w}</think>\n#### {a}", "#### {a}.", "####{a}", "#### {a:,}", "#### ${a}",
+             "{w} #### {a}\n#### {b}", "#### {a}.00", "#### -{a}", "<answer>{a}</answer>",
+             "<think>{w}</think> <answer>{a}</answer> {b}", "{a}", "<answer>{a}", "<answer> {a:,} </answer>",
+             "#### #### {a}", "<think></think>#### {a}", "{w}"]
+    for _ in range(400):
+        gold, other = rng.randrange(10**5), rng.randrange(10**5)
+        a = rng.choice([gold, other])
+        text = rng.choice(forms).format(w=f"{rng.randrange(99)} + {rng.randrange(99)}", a=a, b=other)
+        g = rng.choice([str(gold), f"{gold:,}"])  # GSM8K golds sometimes carry thousands commas
+        paper = tasks.reward("gsm8k", text, g, "paper")[1]["correct"]
+        official = tasks.reward("gsm8k", text, g, "official")[1]["correct"]
+        assert paper == (1.0 if paper_rule(text, g) else 0.0), (seed, text, g)
+        assert official == (2.0 if official_gsm8k_correct(text, g) else 0.0), (seed, text, g)
+
+
+def test_the_reward_table():
+    for name, r in tasks.REWARDS.items():
+        assert set(r.correct) == set(r.format) == set(r.prompt) == set(tasks.KINDS), name
+        assert all(style in tasks.PROMPT_STYLES for style in r.prompt.values()), name
+        assert r.source and r.grading and r.form
+    paper, official = tasks.REWARDS["paper"], tasks.REWARDS["official"]
+    assert (paper.correct, paper.format) == ({"gsm8k": 1.0, "math": 1.0}, {"gsm8k": 0.2, "math": 0.2})
+    assert (official.correct, official.format) == ({"gsm8k": 2.0, "math": 1.0}, {"gsm8k": 0.2, "math": 0.2})
+    assert paper.prompt == {"gsm8k": "paper", "math": "paper"} and "1bf4803" in paper.source
+    assert official.prompt == {"gsm8k": "bare", "math": "official"} and "e8c6e79" in official.source
+    assert set(tasks.OURS) == {"strict", "lenient"} <= set(tasks.REWARDS)
+
+
+@pytest.mark.parametrize("variant, kw, message", [
+    ("nope", {}, "unknown reward variant 'nope'; variants are paper, official, strict, lenient"),
+    ("paper", {"signed": True}, "the paper reward pays as its source does (1 right, 0.2 format)"),
+    ("official", {"format_weight": 0.1}, "the official reward pays as its source does (2 right, 0.2 format)"),
+    ("strict", {"format_weight": 0.1, "prompt": "bare"}, "the bare prompt asks for no answer form"),
+    ("strict", {"format_weight": -0.1}, "format weight -0.1: must be a finite number >= 0"),
+    ("lenient", {"format_weight": float("nan")}, "format weight nan: must be a finite number >= 0"),
+    ("lenient", {"prompt": "boxed"}, "unknown prompt style 'boxed'"),
+])
+def test_bad_rewards_are_refused_in_one_line(variant, kw, message):
+    with pytest.raises(ValueError) as e:
+        tasks.check_reward(variant, **kw)
+    assert message in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        tasks.reward("gsm8k", "#### 4", "4", variant, **kw)
+
+
+def test_bare_prompt_with_no_format_weight_is_fine():
+    assert tasks.reward("gsm8k", "4", "4", "lenient", prompt="bare") == (1.0, {"correct": 1.0, "format": 0.0})
+    assert tasks.reward("gsm8k", "4", "4", "strict", format_weight=0.0, prompt="bare")[0] == 0.0
+    with pytest.raises(ValueError, match="asks for no answer form"):
+        tasks.asked_form("gsm8k", "4", "bare")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -346,200 +571,41 @@ def test_build_prompt_with_a_real_chat_template():
     gsm = tasks.get_task("gsm8k")
     assert gsm.build_prompt(tok, q) == f"<|user|>What is 2+3?\n{tasks.GSM8K_INSTRUCTION}<|end|><|assistant|>"
     assert "####" in tasks.GSM8K_INSTRUCTION
+    assert tasks.get_task("gsm8k", "official").build_prompt(tok, q) == (
+        f"<|system|>{tasks.OFFICIAL_SYSTEM_PROMPT}<|end|><|user|>What is 2+3?<|end|><|assistant|>")
     with pytest.raises(ValueError):
         tasks.get_task("code")
 
 
-def test_task_methods_agree_with_functions():
-    math = tasks.get_task("math")
-    assert math.extract("x \\boxed{\\frac{a}{b}} y") == "\\frac{a}{b}"
-    assert math.grade("\\boxed{0.5}", "\\frac{1}{2}")
-    assert math.reward("\\boxed{0.5}", "\\frac{1}{2}", signed=True) == (1.0, {"correct": 1.0, "format": 0.0})
-    gsm = tasks.get_task("gsm8k")
-    assert gsm.extract("#### 1,000") == "1000" and gsm.grade("#### 1,000", "1000")
+def test_prompt_styles_messages():
+    q = "  What is 2+2? "
+    official = tasks.get_task("gsm8k", prompt="official").messages(q)
+    assert [m["role"] for m in official] == ["system", "user"] and official[1]["content"] == "What is 2+2?"
+    assert "<think> </think>" in official[0]["content"] and "<answer> </answer>" in official[0]["content"]
+    ours = tasks.get_task("gsm8k").messages(q)
+    assert ours == [{"role": "user", "content": f"What is 2+2?\n{tasks.GSM8K_INSTRUCTION}"}]
+    # paper: GSM8K asked with the think/#### instruction after the question; math with the system prompt.
+    paper = tasks.get_task("gsm8k", prompt="paper").messages(q)
+    assert paper == [{"role": "user", "content": f"What is 2+2?\n{tasks.PAPER_GSM8K_INSTRUCTION}"}]
+    assert tasks.PAPER_GSM8K_INSTRUCTION.startswith("Let's think step by step first within <think> </think> tags")
+    assert tasks.PAPER_GSM8K_INSTRUCTION.endswith("#     #### number")
+    assert "<answer>" not in tasks.PAPER_GSM8K_INSTRUCTION
+    assert tasks.get_task("math", prompt="paper").messages(q) == tasks.get_task("math", prompt="official").messages(q)
+    # bare: the question alone, for both kinds.
+    for kind in tasks.KINDS:
+        assert tasks.get_task(kind, prompt="bare").messages(q) == [{"role": "user", "content": "What is 2+2?"}]
+    assert tasks.PROMPT_STYLES == ("ours", "paper", "official", "bare")
+    with pytest.raises(ValueError, match="prompt style"):
+        tasks.get_task("math", prompt="boxed")
 
 
-# ------------------------------------------------------------------------------------------------
-# Datasets
-# ------------------------------------------------------------------------------------------------
-
-@needs_data
-@pytest.mark.parametrize("name, n, kind", [("gsm8k", 1319, "gsm8k"), ("math500", 500, "math"),
-                                           ("aime24", 30, "math"), ("amc23", 40, "math")])
-def test_named_datasets_from_shared_data(name, n, kind):
-    items = tasks.load_dataset(name, "test", data_dir=DATA)
-    assert len(items) == n
-    raw = [json.loads(line) for line in open(DATA / name / "test.jsonl")]
-    for it, r in zip(items, raw):
-        assert it["kind"] == kind and it["question"] == r.get("question", r.get("problem"))
-        assert it["answer"] and isinstance(it["answer"], str)
-    if name == "math500":
-        assert {"level", "subject", "id", "solution"} <= set(items[0])
-        assert [it["level"] for it in items] == [r["level"] for r in raw]
-        assert [it["answer"] for it in items] == [r["answer"] for r in raw]
-    if name in ("aime24", "amc23"):  # integer answers (amc23 stores 27.0, aime24 writes 025)
-        for it, r in zip(items, raw):
-            assert "." not in it["answer"] and int(it["answer"]) == float(r["answer"])
-            assert tasks.grade("math", f"\\boxed{{{int(it['answer'])}}}", it["answer"])
-            assert not tasks.grade("math", f"\\boxed{{{int(it['answer']) + 1}}}", it["answer"])
-    assert tasks.load_dataset(name, "test", limit=7, data_dir=DATA) == items[:7]
-
-
-@needs_data
-def test_gsm8k_train_split_and_env_var(monkeypatch):
-    monkeypatch.setenv("QERL_DATA", str(DATA))
-    assert tasks.dataset_path("gsm8k", "train") == DATA / "gsm8k" / "train.jsonl"
-    train = tasks.load_dataset("gsm8k", "train")
-    assert len(train) == 7473 and all(it["kind"] == "gsm8k" for it in train)
-    with pytest.raises(ValueError, match="splits"):
-        tasks.load_dataset("math500", "train")
-
-
-def test_plain_jsonl_fields(tmp_path):
-    rows = [
-        {"question": "Q1", "answer": "He has 3.\n#### 3"},                       # gsm8k style
-        {"problem": "Q2", "answer": "\\frac{1}{2}", "level": 3, "subject": "Algebra"},
-        {"problem": "Q3", "solution": "It is $\\boxed{\\{1,2\\}}$."},             # gold from the solution
-        {"prompt": "Q4", "solution": "2+2=4\n#### 4"},
-        {"question": "Q5", "answer": 12, "kind": "gsm8k"},                        # a number; kind given
-        {"question": "Q6", "answer": 2.0},
-    ]
-    path = tmp_path / "mine.jsonl"
-    lines = [json.dumps(r) for r in rows]
-    path.write_text("\n".join(lines[:3] + [""] + lines[3:]))  # with a blank line
-    items = tasks.load_dataset(str(path))
-    assert [(it["question"], it["answer"], it["kind"]) for it in items] == [
-        ("Q1", "3", "gsm8k"), ("Q2", "\\frac{1}{2}", "math"), ("Q3", "\\{1,2\\}", "math"),
-        ("Q4", "4", "gsm8k"), ("Q5", "12", "gsm8k"), ("Q6", "2", "math")]
-    assert items[0]["solution"] == rows[0]["answer"] and items[1]["level"] == 3
-    assert tasks.grade(items[2]["kind"], "\\boxed{\\{2, 1\\}}", items[2]["answer"])
-    assert len(tasks.load_dataset(path, limit=2)) == 2
-
-
-def test_a_negative_limit_is_refused(tmp_path, monkeypatch, capsys):
-    """records[:-1] would drop the last record without a word: a negative limit is an error, from a file
-    and from the generated set alike, and the CLI says so; 0 keeps nothing, None everything."""
-    path = tmp_path / "few.jsonl"
-    path.write_text("\n".join(json.dumps({"question": f"Q{i}", "answer": str(i)}) for i in range(3)))
-    for name in (path, "arith"):
-        with pytest.raises(ValueError, match="limit must be a whole number >= 0"):
-            tasks.load_dataset(name, limit=-1)
-        assert tasks.load_dataset(name, limit=0) == []
-    with pytest.raises(ValueError, match="limit must be"):
-        tasks.read_jsonl(path, limit=-2)
-    assert len(tasks.load_dataset(path)) == 3
-    monkeypatch.setattr(sys, "argv", ["tasks.py", "--data", str(path), "--limit", "-1"])
-    with pytest.raises(SystemExit):
-        tasks.main()
-    assert "--limit -1: must be >= 1" in capsys.readouterr().err
-
-
-def test_malformed_lines_are_reported_with_line_numbers(tmp_path):
-    path = tmp_path / "bad.jsonl"
-    path.write_text("\n".join([
-        json.dumps({"question": "ok", "answer": "1"}),
-        "",
-        '{"question": "broken", "answer": ',                    # line 3: invalid JSON
-        json.dumps({"question": "ok", "answer": "2"}),
-        json.dumps({"answer": "3"}),                            # line 5: no question
-        json.dumps(["not", "an", "object"]),                    # line 6
-        json.dumps({"question": "no answer"}),                  # line 7
-        json.dumps({"question": "q", "answer": "1", "kind": "poetry"}),  # line 8
-    ]) + "\n")
-    with pytest.raises(ValueError) as e:
-        tasks.load_dataset(str(path))
-    msg = str(e.value)
-    assert "5 malformed line(s)" in msg
-    for line, why in [(3, "invalid JSON"), (5, "no question"), (6, "expected a JSON object"), (7, "no answer"),
-                      (8, "unknown kind")]:
-        assert f"{path}:{line}: {why}" in msg
-    for line in (1, 2, 4):
-        assert f"{path}:{line}:" not in msg
-
-
-def test_offline_without_a_file_names_the_path(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(FileNotFoundError) as e:
-        tasks.load_dataset("gsm8k", "test", data_dir=tmp_path)
-    want = str(tmp_path / "gsm8k" / "test.jsonl")
-    assert want in str(e.value) and "offline" in str(e.value)
-
-    monkeypatch.delenv("HF_HUB_OFFLINE")
-
-    def no_network(source, split):
-        raise OSError("[Errno -2] Name or service not known")
-    monkeypatch.setattr(tasks, "_fetch", no_network)
-    with pytest.raises(FileNotFoundError) as e:
-        tasks.load_dataset("math500", data_dir=tmp_path)
-    msg = str(e.value)
-    assert str(tmp_path / "math500" / "test.jsonl") in msg and "HuggingFaceH4/MATH-500" in msg
-    assert "Name or service not known" in msg
-    with pytest.raises(FileNotFoundError, match="neither a dataset name"):
-        tasks.load_dataset(str(tmp_path / "missing.jsonl"))
-
-
-def test_download_picks_the_split_file_and_caches_it(tmp_path, monkeypatch):
-    import huggingface_hub
-    hub = tmp_path / "hub"
-    hub.mkdir()
-    rows = [{"problem": "P1", "solution": "s \\boxed{2}", "answer": "2", "subject": "Algebra", "level": 1,
-             "unique_id": "a"},
-            {"problem": "P2", "solution": "s \\boxed{x}", "answer": "x", "subject": "Algebra", "level": 5,
-             "unique_id": "b"}]
-    (hub / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    calls = []
-    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files",
-                        lambda self, repo_id, repo_type=None, **kw: ["README.md", ".gitattributes", "test.jsonl"])
-
-    def fake_download(repo_id, filename, repo_type=None, **kw):
-        calls.append((repo_id, filename, repo_type))
-        return str(hub / filename)
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    data = tmp_path / "cache"
-    items = tasks.load_dataset("math500", data_dir=data)
-    assert calls == [("HuggingFaceH4/MATH-500", "test.jsonl", "dataset")]
-    assert [(it["question"], it["answer"], it["level"], it["id"]) for it in items] == [
-        ("P1", "2", 1, "a"), ("P2", "x", 5, "b")]
-    assert (data / "math500" / "test.jsonl").exists()
-    monkeypatch.setattr(tasks, "_fetch", lambda *a: pytest.fail("cached file not used"))
-    assert tasks.load_dataset("math500", data_dir=data) == items
-
-
-def test_pick_files_for_hub_layouts():
-    gsm = tasks.DATASETS["gsm8k"][1]
-    files = ["README.md", "main/test-00000-of-00001.parquet", "main/train-00000-of-00001.parquet",
-             "socratic/test-00000-of-00001.parquet"]
-    assert tasks._pick_files(files, gsm, "test") == ["main/test-00000-of-00001.parquet"]
-    aime = tasks.DATASETS["aime24"][1]
-    assert aime.splits["test"] == "train"
-    assert tasks._pick_files(["data/train-00000-of-00001.parquet"], aime, "train") == [
-        "data/train-00000-of-00001.parquet"]
-    amc = tasks.DATASETS["amc23"][1]
-    assert tasks._pick_files(["test/0000.parquet", "test.jsonl", "testing.jsonl"], amc, "test") == ["test.jsonl"]
-    with pytest.raises(FileNotFoundError):
-        tasks._pick_files(["README.md"], amc, "test")
-
-
-def test_arith_dataset_is_graded_as_gsm8k():
-    arith = pytest.importorskip("arith")
-    items = tasks.load_dataset("arith", "test", limit=25)
-    assert len(items) == 25 and all(it["kind"] == "gsm8k" for it in items)
-    raw = arith.load("test", n=25)
-    for it, r in zip(items, raw):
-        assert it["question"] == r["question"] and it["solution"] == r["answer"]
-        assert it["answer"] == str(arith.parse_solution(r["answer"])[1])
-        assert tasks.grade("gsm8k", r["answer"], it["answer"])
-        assert not tasks.grade("gsm8k", f"#### {int(it['answer']) + 1}", it["answer"])
-
-
-def test_no_child_process_falls_back_to_grading_in_place(monkeypatch):
-    def cannot_start(self):
-        raise AssertionError("daemonic processes are not allowed to have children")
-    w = tasks._VerifyWorker()
-    monkeypatch.setattr(tasks._VerifyWorker, "_start", cannot_start)
-    out = []
-    t = threading.Thread(target=lambda: out.extend([w.run("\\frac{1}{2}", "0.5", 5), w.run("[1,2)", "(1,2)", 5)]))
-    t.start()
-    t.join()
-    assert out == [True, False] and w.pid is None
+def test_each_reward_asks_with_a_prompt_that_asks_for_what_it_pays():
+    """The paper reward's prompt asks for the think block and `####` it pays for; the official reward's
+    GSM8K prompt (HEAD's) asks for nothing, though its reward pays for tags: that is HEAD's code."""
+    paper_gsm8k = tasks.get_task("gsm8k", tasks.REWARDS["paper"].prompt["gsm8k"]).messages("q")
+    assert "<think> </think>" in paper_gsm8k[-1]["content"] and '"####"' in paper_gsm8k[-1]["content"]
+    assert tasks.get_task("gsm8k", tasks.REWARDS["official"].prompt["gsm8k"]).messages("q") == [
+        {"role": "user", "content": "q"}]
+    for variant in ("paper", "official"):
+        math = tasks.get_task("math", tasks.REWARDS[variant].prompt["math"]).messages("q")
+        assert math[0] == {"role": "system", "content": tasks.OFFICIAL_SYSTEM_PROMPT}

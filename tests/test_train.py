@@ -472,12 +472,12 @@ def test_data_without_a_held_out_split_is_refused_before_any_download(tmp_path, 
     """A --data file would be evaluated on its own training items, and a named set without a test split
     has none to default to: both need --eval-data, said before anything is downloaded or loaded. A missing
     file is named once, if it is both --data and --eval-data."""
-    import tasks
+    import data
 
     def no_download(*a, **k):
         raise AssertionError("a dataset was downloaded")
 
-    monkeypatch.setattr(tasks, "_download", no_download)
+    monkeypatch.setattr(data, "_download", no_download)
     no_model(monkeypatch)
     data = tmp_path / "train.jsonl"
     data.write_text('{"question": "1+1", "answer": "2"}\n')
@@ -504,6 +504,15 @@ def test_aqn_needs_two_stages():
     after)."""
     with pytest.raises(SystemExit, match=re.escape("--aqn-stages 1: must be an integer >= 2 (stage 0 is noise-free)")):
         recipes.parse(["--aqn-stages", "1"])
+
+
+def test_a_format_reward_needs_a_prompt_that_asks_for_a_form():
+    """--prompt bare asks for no answer form: a format weight with it is refused before any model loads
+    (tasks.check_reward), and without one the bare prompt is fine."""
+    with pytest.raises(SystemExit, match="--reward strict: the bare prompt asks for no answer form"):
+        train.check_args(train.recipe(train.parse_args(["--prompt", "bare", "--reward", "strict",
+                                                        "--format-reward", "0.1"])))
+    train.check_args(train.recipe(train.parse_args(["--prompt", "bare"])))  # (tiny: format weight 0)
 
 
 def test_the_tiny_recipe_follows_the_model_not_its_spelling():
