@@ -31,6 +31,15 @@ train drawn with one seed is disjoint from test drawn with another.
 Determinism. `load(split, n, seed)` draws problems from `random.Random` seeded with (seed, split),
 keeps those of the requested split and drops repeated chains. The first n items do not depend on n
 (asking for more only appends), so `load("test", 100)` is a prefix of `load("test", 500)`.
+
+How many. There are 12,503,287 distinct chains (count_chains, by dynamic programming over the running
+value); hashing every one of them puts 1,251,257 in test and 11,252,030 in train (CHAINS, counted by
+count_chains(split) in a minute or so). Drawing at random and dropping repeats finds new chains ever
+more slowly as a split fills up, since the rare ones (long subtractions, small products) are seldom
+drawn: one new test problem took 15 draws at 10k drawn, 28 at 100k, 126 at 600k
+(results/arith_draws.md). So load() gives at most a tenth of a split's chains (MAX_SIZE: 125,125 test,
+1,125,203 train) and refuses more at once; asked for more distinct problems than exist, it would draw
+forever.
 """
 
 import hashlib
@@ -40,6 +49,8 @@ import re
 SPLITS = ("train", "test")
 DEFAULT_SIZE = {"train": 20000, "test": 500}
 TEST_FRACTION = 10  # one chain in TEST_FRACTION is held out
+CHAINS = {"train": 11252030, "test": 1251257}  # distinct chains of each split: count_chains(split)
+MAX_SIZE = {split: n // 10 for split, n in CHAINS.items()}  # the most load() gives (module docstring)
 
 NAMES = [("Tom", "He"), ("Anna", "She"), ("Ben", "He"), ("Lily", "She"), ("Sam", "He"), ("Mia", "She"),
          ("Jack", "He"), ("Emma", "She"), ("Leo", "He"), ("Zoe", "She"), ("Max", "He"), ("Ava", "She")]
@@ -70,6 +81,47 @@ def split_of(start, ops):
     key = f"{start}|" + "|".join(f"{op}{y}" for op, y in ops)
     h = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
     return "test" if h % TEST_FRACTION == 0 else "train"
+
+
+def _operations(x):
+    """Every (op, operand) that may follow the running value x (the rules in the module docstring)."""
+    ops = [("+", y) for y in range(ADD_RANGE[0], ADD_RANGE[1] + 1)]
+    if x >= 2:
+        ops += [("-", y) for y in range(SUB_RANGE[0], min(SUB_RANGE[1], x - 1) + 1)]
+    if x * MUL_RANGE[0] <= MUL_CAP:
+        ops += [("*", y) for y in range(MUL_RANGE[0], min(MUL_RANGE[1], MUL_CAP // x) + 1)]
+    return ops
+
+
+def chains():
+    """Every distinct chain (start, [(op, operand), ...]) that _draw_chain can draw, each once."""
+    def grow(start, x, ops):
+        if len(ops) >= 2:
+            yield start, list(ops)
+        if len(ops) < 4:
+            for op, y in _operations(x):
+                yield from grow(start, apply(op, x, y), ops + [(op, y)])
+
+    for start in range(START_RANGE[0], START_RANGE[1] + 1):
+        yield from grow(start, start, [])
+
+
+def count_chains(split=None):
+    """How many distinct chains there are (split None), counted without listing them: the chains of k more
+    operations from a running value x are summed over the operations x allows; or how many belong to
+    `split`, which needs every chain hashed (count_chains("test") takes a minute or so: CHAINS holds them)."""
+    if split is not None:
+        return sum(split_of(start, ops) == split for start, ops in chains())
+    memo = {}
+
+    def count(x, k):  # chains of exactly k more operations from x
+        if k == 0:
+            return 1
+        if (x, k) not in memo:
+            memo[x, k] = sum(count(apply(op, x, y), k - 1) for op, y in _operations(x))
+        return memo[x, k]
+
+    return sum(count(start, k) for start in range(START_RANGE[0], START_RANGE[1] + 1) for k in (2, 3, 4))
 
 
 def _draw_chain(rng):
@@ -123,6 +175,10 @@ def load(split, n=None, seed=0):
     if n is not None and n < 0:
         raise ValueError(f"n must be >= 0 (how many problems) or None for DEFAULT_SIZE[split], got {n}")
     n = DEFAULT_SIZE[split] if n is None else n
+    if n > MAX_SIZE[split]:
+        raise ValueError(f"arith's {split} split gives at most {MAX_SIZE[split]} distinct problems (a tenth of its "
+                         f"{CHAINS[split]} chains: past that nearly every random draw repeats one already drawn); "
+                         f"ask for {MAX_SIZE[split]} or fewer")
     rng = random.Random(f"arith-{seed}-{split}")
     seen, items = set(), []
     while len(items) < n:
@@ -156,8 +212,9 @@ def main(argv=None):
     p.add_argument("-n", "--num", type=int, default=5, help="how many problems")
     p.add_argument("--seed", type=int, default=0, help="seed of the draw")
     args = p.parse_args(argv)
-    if args.num < 1:
-        p.error(f"--num {args.num}: must be >= 1")
+    if not 1 <= args.num <= MAX_SIZE[args.split]:
+        p.error(f"--num {args.num}: must be in [1, {MAX_SIZE[args.split]}] (MAX_SIZE: the most distinct problems "
+                f"the {args.split} split gives)")
     for item in load(args.split, args.num, seed=args.seed):
         print(item["question"], "\n", item["answer"], "\n", sep="")
 

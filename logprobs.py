@@ -18,7 +18,13 @@ the trained norms. Three things make that affordable at 7B and more:
 """
 import torch
 
-from memory import micro_batch_bytes, shared_prompts
+from memory import micro_batch_bytes
+
+
+def shared_prompts(prompts):
+    """For each row, how many leading tokens it shares with the row before: its prompt's length where the
+    prompts are the same (the samples of one prompt), else 0."""
+    return [len(p) if i and p == prompts[i - 1] else 0 for i, p in enumerate(prompts)]
 
 
 def _chunk_logp(h, weight, targets, temperature):

@@ -89,12 +89,16 @@ class Config:
 
 
 def qwen25_config(size):
-    """The published Qwen2.5-{size}-Instruct config.json (size: '0.5b' … '32b'), for building
-    random-weight models of the real shapes in benchmarks, where no checkpoint can be downloaded."""
+    """The published Qwen2.5-{size}-Instruct config.json (size: '0.5b' … '72b'), for building
+    random-weight models of the real shapes in benchmarks, where no checkpoint can be downloaded. Every
+    size has rope_theta 1e6, rms_norm_eps 1e-6 and 32768 positions in its Instruct config.json (the 72B
+    base model's says 1e-5 and 131072; sources: results/memory_plan.md). Past 32768 tokens Qwen's model
+    card adds a YaRN rope_scaling, which Config refuses."""
     shapes = {  # hidden, intermediate, layers, heads, kv heads, vocab, tied
         "0.5b": (896, 4864, 24, 14, 2, 151936, True), "1.5b": (1536, 8960, 28, 12, 2, 151936, True),
         "3b": (2048, 11008, 36, 16, 2, 151936, True), "7b": (3584, 18944, 28, 28, 4, 152064, False),
-        "14b": (5120, 13824, 48, 40, 8, 152064, False), "32b": (5120, 27648, 64, 40, 8, 152064, False)}
+        "14b": (5120, 13824, 48, 40, 8, 152064, False), "32b": (5120, 27648, 64, 40, 8, 152064, False),
+        "72b": (8192, 29568, 80, 64, 8, 152064, False)}
     if size.lower() not in shapes:
         raise ValueError(f"unknown Qwen2.5 size {size!r}; use one of {', '.join(shapes)}")
     h, i, n, a, kv, v, tied = shapes[size.lower()]

@@ -54,7 +54,6 @@ its output-folder rules from hub.py.
 import argparse
 import json
 import os
-import shutil
 from dataclasses import dataclass
 
 import torch
@@ -261,19 +260,25 @@ def save_quantized(src, dst, progress=True, force=False):
     (one shard's output in memory at a time, so a 32B model needs no 64 GB of RAM). Everything else
     (embeddings, norms, lm_head, biases) is copied unchanged; tokenizer files come along.
     The folder appears atomically: written under a temporary name, then renamed; the temporary folder
-    goes on any failure. `dst` may replace only an earlier output of this command, or, with force, any
-    folder but `src` or one holding it, or the current folder (hub.check_out)."""
+    goes on any failure, and a write that fails (a full disk: safetensors' SafetensorError or an OSError)
+    stops with one line naming the file, `dst` left as it was (hub.writing). `dst` may replace only what
+    this project wrote: an earlier output of this command, or, with force, another command's
+    (hub.check_out, hub.FORCE_HELP)."""
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
     if config.get("quantization_config"):
         raise ValueError(f"{src} is already quantized ({config['quantization_config'].get('quant_method')})")
     with hub.new_folder(dst, "nvfp4.py", sources=[src], force=force) as tmp:
-        _write_quantized(src, tmp, config, progress)
+        _write_quantized(src, tmp, config, progress, dst)
     return dst
 
 
-def _write_quantized(src, tmp, config, progress):
-    """save_quantized's work, into the empty folder tmp."""
+def _write_quantized(src, tmp, config, progress, dst=None):
+    """save_quantized's work, into the empty folder tmp (renamed to dst when complete: a failed write names
+    the file as it would lie in dst)."""
+    dst = dst or tmp
+    kept = (f"{dst} is as it was" if os.path.exists(dst) else f"nothing was written to {dst}") + \
+        " (the partial output is removed)"
     from tqdm import tqdm
 
     keys = weight_map(src)
@@ -299,19 +304,22 @@ def _write_quantized(src, tmp, config, progress):
                     out[key] = t
                 bar.update(1)
         name = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file({k: v.contiguous() for k, v in out.items()}, os.path.join(tmp, name), metadata={"format": "pt"})
+        with hub.writing(os.path.join(dst, name), kept):
+            save_file({k: v.contiguous() for k, v in out.items()}, os.path.join(tmp, name), metadata={"format": "pt"})
         written.update({k: name for k in out})
     bar.close()
-    if len(shards) > 1:
-        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {}, "weight_map": written}, f, indent=2)
     config["quantization_config"] = quantization_config()
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+    files = {"config.json": json.dumps(config, indent=2).encode()}
+    if len(shards) > 1:
+        files["model.safetensors.index.json"] = json.dumps({"metadata": {}, "weight_map": written}, indent=2).encode()
     for name in os.listdir(src):
         if name.startswith("tokenizer") or name in ("vocab.json", "merges.txt", "special_tokens_map.json",
                                                    "generation_config.json", "chat_template.jinja"):
-            shutil.copy(os.path.join(src, name), os.path.join(tmp, name))
+            with open(os.path.join(src, name), "rb") as f:  # (read here, so a write error below is the write's)
+                files[name] = f.read()
+    for name, data in files.items():
+        with hub.writing(os.path.join(dst, name), kept), open(os.path.join(tmp, name), "wb") as f:
+            f.write(data)
 
 
 def main(argv=None):
@@ -319,9 +327,8 @@ def main(argv=None):
                                                  "(compressed-tensors nvfp4-pack-quantized layout).")
     parser.add_argument("--model", required=True, help="local HF folder, alias (qwen2.5-7b, tiny) or hub id")
     parser.add_argument("--out", required=True, help="output folder: new, empty, or an earlier output of this "
-                        "command (which it replaces)")
-    parser.add_argument("--force", action="store_true", help="replace a non-empty --out this command did not "
-                        "write (never the source, the current folder or one holding them)")
+                        "command (which it replaces; a killed earlier run's temporary folder beside it is removed)")
+    parser.add_argument("--force", action="store_true", help=hub.FORCE_HELP)
     args = parser.parse_args(argv)
     with hub.stop_on_bad_input("nvfp4.py"):  # a missing model or an unusable --out, before any work
         src, config = hub.read_config_json(args.model)

@@ -496,12 +496,14 @@ def chat(args):
     """Stream one sampled answer to --prompt through the checkpoint's chat template."""
     dev = resolve_device(args.device, "rollout.py")  # (stops with a message when cuda is asked for and absent)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    with stop_on_bad_input("rollout.py"):  # a missing model, or one of an architecture this decoder lacks
-        folder = read_config(args.model)[0]
-    tok = load_tokenizer(folder)
+    with stop_on_bad_input("rollout.py"):  # a missing model, one of an architecture this decoder lacks, too long
+        folder, raw, _ = read_config(args.model)
+        tok = load_tokenizer(folder)
+        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+                                      tokenize=True)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        check_length(len(ids), args.max_new_tokens, raw.get("max_position_embeddings"), args.model)
     model = Transformer.from_pretrained(folder, dtype=dtype, device=dev, quantize=args.quant == "nvfp4")
-    ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True)
-    ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
     stops = set(stop_token_ids(tok))  # the same turn ends as eval.py and train.py use
     dt = str(model.dtype).removeprefix("torch.")
     weights = f"NVFP4 linears, the rest {dt}" if args.quant == "nvfp4" else f"unquantized {dt}"
@@ -526,6 +528,19 @@ def chat(args):
     s = r.stats
     print(f"\n# {int(r.lengths[0])} tokens ({r.finish[0]}), prefill {1e3 * s['prefill_s']:.0f} ms, "
           f"decode {int(r.lengths[0]) / max(s['decode_s'], 1e-9):.0f} tok/s", file=sys.stderr)
+
+
+def check_length(prompt_tokens, max_new_tokens, positions, model):
+    """ValueError unless the prompt and --max-new-tokens fit the model's positions (max_position_embeddings
+    of its config.json; None: the config does not say, nothing to check): checked before the model loads,
+    instead of a KV cache allocated for ten million tokens."""
+    if not isinstance(positions, int) or prompt_tokens + max_new_tokens <= positions:
+        return
+    where = f"{model} takes {positions} positions (max_position_embeddings in its config.json)"
+    if prompt_tokens >= positions:
+        raise ValueError(f"--prompt is {prompt_tokens} tokens in the chat template and {where}: shorten the prompt")
+    raise ValueError(f"--max-new-tokens {max_new_tokens}: the prompt is {prompt_tokens} tokens in the chat template and "
+                     f"{where}; pass --max-new-tokens {positions - prompt_tokens} or less")
 
 
 def main(argv=None):

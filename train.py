@@ -217,7 +217,7 @@ def update(cfg, model, optimizer, params, batch, world=ddp.World(), noise=None):
     num_seqs, num_tokens = ddp.counts(*local, world, device)
     need = max([memory.micro_batch_bytes(model.config, model.dtype, batch.prompts[sl], batch.lengths[sl])
                 for sl in slices], default=0)
-    model.gradient_checkpointing = memory.checkpointing_on(cfg.checkpointing, model, need)
+    model.gradient_checkpointing = memory.checkpointing_on(cfg.checkpointing, model.device, need)
     model.train()
     out, first = {}, {}  # first: each micro-batch's trainer logp in the first pass (the policy before the update)
     for p in range(cfg.passes):

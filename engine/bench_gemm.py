@@ -7,9 +7,13 @@
 Measures: engine/plan.py's choice (--bench) or every config `_candidates` lists (--tune) on Qwen2.5-7B's
 linear shapes, each checked against a float reference first, timed as CUDA-graph replays over rotated
 weight copies (so L2 holds none of them), beside cuBLAS bf16 and the device-copy bandwidth of the same
-run. The plan's table was read off --tune; the tables it printed are in results/fp4_gemm_h200.md.
+run. Each row's floor is the bytes it must move (packed weight and scales, x and y; cuBLAS: the bf16
+weight, x and y) at that copy bandwidth, and its share is floor / time (floor_shares). --json PATH writes
+the rows with their floors; --out DIR the table (.md) and every row tried (.jsonl). The plan's table was
+read off --tune; the tables it printed are in results/fp4_gemm_h200.md.
 """
 import argparse
+import json
 import math
 import os
 
@@ -220,11 +224,35 @@ def _precompile(tasks, jobs):
     return errors
 
 
-def _copy_bandwidth():
+def copy_bandwidth():
+    """This GPU's device-to-device copy rate, TB/s of bytes read + written (1 GiB copied, median time)."""
     a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
     ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=10, rep=50, return_mode="median")
     return 2 * a.numel() / ms / 1e9  # TB/s, bytes read + written
+
+
+def write_atomic(path, text):
+    """Write text to path through a temporary file and a rename: a reader never sees half of it."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def write_json(path, obj):
+    """obj as indented JSON at path (atomically); what JSON cannot hold (a float nan) becomes null."""
+    def clean(x):
+        if isinstance(x, dict):
+            return {str(k): clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        if isinstance(x, float) and x != x:
+            return None
+        if isinstance(x, torch.Tensor):
+            return clean(x.tolist())
+        return x
+    write_atomic(path, json.dumps(clean(obj), indent=1) + "\n")
 
 
 def _measure(name, M, direction, plans, log):
@@ -253,6 +281,15 @@ def _measure(name, M, direction, plans, log):
     return rows
 
 
+def json_rows(rows, copy_tbps):
+    """The rows as written by --json: each with its kernel label, floor µs and shares (floor_shares)."""
+    out = []
+    for r in rows:
+        floor_us, share, cublas_share = floor_shares(r, copy_tbps)
+        out.append(dict(r, kernel=_kernel_label(r["plan"]), floor_us=floor_us, share=share, cublas_share=cublas_share))
+    return out
+
+
 def _kernel_label(p):
     """A plan as the table's kernel column: 'mma 64 rows split4 w4', 'tiled 16x64x128 split4 w4s4', ..."""
     split = f" split{p['SPLIT_K']}" if p.get("SPLIT_K", 1) > 1 else ""
@@ -269,16 +306,29 @@ def _kernel_label(p):
             + (" plain-decode" if p.get("asm") is False else "") + f" w{p.get('num_warps')}s{p.get('num_stages')}")
 
 
+def floor_shares(r, copy_tbps):
+    """A row's floor at the copy bandwidth: (floor µs, our share = floor / our time, cuBLAS's share of its own
+    floor). Ours moves its TB/s column's bytes (packed weight + scales + x + y); cuBLAS bf16 moves a 2-byte
+    weight, x and y (for dX: x (M, N) in, (M, K) out: the same sum)."""
+    floor_us = r["ms"] * 1e3 * r["tbps"] / copy_tbps  # (tbps = our bytes / our time)
+    cublas_bytes = 2 * (r["N"] * r["K"] + r["M"] * r["K"] + r["M"] * r["N"])
+    return floor_us, r["tbps"] / copy_tbps, cublas_bytes / (copy_tbps * 1e12) / (r["cublas_ms"] / 1e3)
+
+
 def _table(rows, copy_tbps, device=None):
     lines = [f"Device: {device or torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
              f"device copy {copy_tbps:.2f} TB/s (read + write). Times: median of CUDA-graph replays over rotated "
              f"weight copies (≥ {ROTATE_BYTES >> 20} MiB a replay, L2 flushed between replays). TB/s counts packed "
-             "weight + scales + x + y bytes; ratio = cuBLAS bf16 time / ours (> 1: we are faster).", "",
-             "| layer | N x K | M | pass | kernel | ours µs | cuBLAS µs | ratio | TB/s | TFLOP/s | rel err (ours / cuBLAS) |",
-             "| --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "weight + scales + x + y bytes; ratio = cuBLAS bf16 time / ours (> 1: we are faster); floor = those bytes "
+             "at the copy bandwidth, share = floor / time (cuBLAS: of its bf16 bytes' floor).", "",
+             "| layer | N x K | M | pass | kernel | ours µs | cuBLAS µs | ratio | TB/s | floor µs | share | cuBLAS share "
+             "| TFLOP/s | rel err (ours / cuBLAS) |",
+             "| --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
+        floor_us, share, cublas_share = floor_shares(r, copy_tbps)
         lines.append(f"| {r['shape']} | {r['N']} x {r['K']} | {r['M']} | {r['direction']} | {_kernel_label(r['plan'])} | "
                      f"{r['ms'] * 1e3:.1f} | {r['cublas_ms'] * 1e3:.1f} | {r['ratio']:.2f} | {r['tbps']:.2f} | "
+                     f"{floor_us:.1f} | {share:.0%} | {cublas_share:.0%} | "
                      f"{r['tflops']:.0f} | {r['err']:.1e} / {r['cublas_err']:.1e} |")
     return "\n".join(lines)
 
@@ -296,12 +346,13 @@ def main():
     parser.add_argument("--jobs", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)),
                         help="processes compiling kernels in parallel before timing")
     parser.add_argument("--out", default=None, help="also write the table (.md) and all rows (.jsonl) here")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the table's rows, each with its "
+                        "floor and shares, the card and the versions, as JSON here")
     args = parser.parse_args()
     if not (args.bench or args.tune):
         parser.error("nothing to do: pass --bench or --tune")
     if not torch.cuda.is_available():
         raise SystemExit("--bench/--tune need a CUDA GPU and triton")
-    import json
     import time
 
     t0 = time.time()
@@ -320,7 +371,7 @@ def main():
     for e in _precompile(tasks, args.jobs):
         log("  compile/run error: " + e)
     log(f"compiled in {time.time() - t0:.0f} s")
-    copy = _copy_bandwidth()
+    copy = copy_bandwidth()
     log(f"device copy bandwidth: {copy:.2f} TB/s")
     rows, best = [], []
     jsonl = None
@@ -346,6 +397,9 @@ def main():
     table = _table(best, copy)
     print(table)
     log(f"total {time.time() - t0:.0f} s")
+    if args.json:
+        write_json(args.json, dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                                   triton=triton.__version__, copy_tb_s=copy, rows=json_rows(best, copy)))
     if args.out:
         jsonl.close()
         with open(os.path.join(args.out, f"fp4_gemm_{'tune' if args.tune else 'bench'}.md"), "w") as f:

@@ -9,6 +9,16 @@ tests/engine/test_bench_rollout.py. The tables it printed: results/rollout_h200.
     python -m engine.bench_rollout --bench                 # (the same as python rollout.py --bench)
     python -m engine.bench_rollout --bench --no-big --batches 16 32 128
     python -m engine.bench_rollout --bench --batches 64 --new-tokens 1024 --early-stop 256   # rows that stop early
+    python -m engine.bench_rollout --bench --quants nvfp4 --batches 1 --big-size 72b --json rows.json
+
+Each row is set against its floor: the bytes a decode step must read at least (every weight it touches
+once, and each row's KV cache up to its column, at the decode's mean column: prompt + new tokens / 2)
+over this card's copy bandwidth, measured in the same run; its share is floor / measured time a step.
+--json writes the rows (with their floors, the card and the versions), --bench-out the markdown table.
+
+The random models are built on the GPU (random_model): an NVFP4 one directly in NVFP4, each linear's
+codes and block scales drawn from a pool of quantized N(0, std) blocks, so that no bf16 copy of a layer
+is ever made (a bf16 72B would be 145 GB) and each block costs one gather.
 """
 import argparse
 import gc
@@ -16,15 +26,72 @@ import time
 from types import SimpleNamespace
 
 import torch
+import torch.nn as nn
 import triton
 
 import fp4_gemm
 import lora
+import memory
+import nvfp4
 import rollout
-from engine.bench_gemm import _copy_bandwidth
+from engine.bench_gemm import copy_bandwidth, write_atomic, write_json
 from engine.decode import generate
-from model import Transformer, qwen25_config
+from model import RMSNorm, Transformer, qwen25_config
 from rollout import release
+
+POOL_BLOCKS = 2**20  # quantized N(0, std) blocks that random_model draws every NVFP4 linear's blocks from
+
+
+def nvfp4_pool(std, blocks, device, gen):
+    """`blocks` blocks of 16 N(0, std) weights quantized to NVFP4 under one global scale: (codes (blocks,)
+    int64, each a block's 16 codes as 8 packed bytes; scales (blocks,) uint8, the E4M3 bytes; global_scale
+    (1,) float32)."""
+    w = torch.randn(blocks // 64, 64 * nvfp4.BLOCK, generator=gen, device=device) * std  # (rows, 1024)
+    q = nvfp4.quantize(w)
+    return q.packed.view(torch.int64).reshape(-1), q.scale.view(torch.uint8).reshape(-1), q.global_scale
+
+
+def draw_nvfp4_(layer, pool, gen):
+    """Fill a QuantLinear with blocks drawn uniformly, with replacement, from pool (nvfp4_pool): its
+    dequantized weight is N(0, std) quantized, blocks i.i.d. as in a quantized random matrix, at the cost of
+    one gather of 9 bytes a block (no bf16 weight is made)."""
+    codes, scales, global_scale = pool
+    n = layer.out_features * layer.in_features // nvfp4.BLOCK
+    pick = torch.randint(0, codes.numel(), (n,), generator=gen, device=codes.device)
+    layer.weight_packed.view(torch.int64).view(-1).copy_(codes[pick])  # (N, K/2) bytes = (N, K/16) blocks
+    layer.weight_scale.view(torch.uint8).view(-1).copy_(scales[pick])
+    layer.weight_global_scale.copy_(global_scale.expand_as(layer.weight_global_scale))
+
+
+def random_model(cfg, quant, device, seed=0, std=0.02, dtype=torch.bfloat16, pool_blocks=POOL_BLOCKS):
+    """A model of cfg's shape with random weights, for the benchmarks. bf16: Transformer.from_random. NVFP4:
+    built in NVFP4 on `device`, the model allocated once (embeddings and lm_head N(0, std) in `dtype`,
+    norms 1, biases N(0, std)) and every decoder linear drawn from one pool of quantized N(0, std) blocks
+    (draw_nvfp4_), where Transformer.from_random(quantize=True) makes and quantizes a bf16 weight per linear,
+    many passes over each (estimates: results/memory_plan.md)."""
+    device = torch.device(device)
+    if quant == "bf16":
+        return Transformer.from_random(cfg, dtype, device, quantize=False, seed=seed, std=std)
+    if quant != "nvfp4":
+        raise ValueError(f"random_model: quant {quant!r}: nvfp4 or bf16")
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.device("meta"):
+        model = Transformer(cfg, dtype)
+        model.swap_linears(lambda name, m: fp4_gemm.QuantLinear(m.in_features, m.out_features, m.bias is not None,
+                                                                 dtype=dtype), fp4_gemm.is_decoder_linear)
+    model.materialize(device)
+    pool = nvfp4_pool(std, pool_blocks, device, gen)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, fp4_gemm.QuantLinear):
+                draw_nvfp4_(m, pool, gen)
+            elif isinstance(m, (nn.Linear, nn.Embedding)):
+                m.weight.normal_(0, std, generator=gen)
+            elif isinstance(m, RMSNorm):
+                m.weight.fill_(1.0)
+            if getattr(m, "bias", None) is not None:
+                m.bias.normal_(0, std, generator=gen)
+    return model.eval()
 
 
 def _add_lora(model, rank, seed=0):
@@ -139,7 +206,7 @@ def _check(model):
     return "\n".join(lines)
 
 
-def _step_bytes(model):
+def step_bytes(model):
     """Bytes one decode step must read at least: every weight the step touches once (embeddings:
     one row, ignored), LoRA adapters in the model dtype."""
     n = 0
@@ -148,6 +215,12 @@ def _step_bytes(model):
             continue
         n += t.numel() * (model.dtype.itemsize if ".lora_" in name else t.element_size())
     return n
+
+
+def floor_ms(weight_bytes, kv_token_bytes, kv_tokens, copy_tb_s):
+    """A decode step's floor: its weights and `kv_tokens` tokens of KV cache read once, at the copy bandwidth
+    (TB/s). → ms."""
+    return (weight_bytes + kv_tokens * kv_token_bytes) / copy_tb_s / 1e9
 
 
 def _profile(model, batch, prompt_len, steps=4):
@@ -194,8 +267,9 @@ def _profile(model, batch, prompt_len, steps=4):
 
 def bench(args):
     """The table of results/rollout_h200.md: Qwen2.5-7B shape (random weights), prompt 256, 512 new tokens
-    forced, NVFP4 + LoRA r32 (unmerged) vs bf16 + the same LoRA, batch 1/8/64; then 32B NVFP4 batch 1. The
-    floor a step is set against is its weight bytes over this card's copy bandwidth, measured here."""
+    forced, NVFP4 + LoRA r32 (unmerged) vs bf16 + the same LoRA, batch 1/8/64; then the big model
+    (--big-size, 32B by default) NVFP4 at batch 1. Each row's floor (floor_ms): its weights and KV cache read
+    once a step at this card's copy bandwidth, measured here."""
     import aqn
 
     if not torch.cuda.is_available():
@@ -204,27 +278,31 @@ def bench(args):
     props = torch.cuda.get_device_properties(dev)
     print(f"# {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, "
           f"triton {triton.__version__}")
-    copy_tb_s = _copy_bandwidth()  # (before any model: it needs 2 GiB of the GPU for a moment)
+    copy_tb_s = copy_bandwidth()  # (before any model: it needs 2 GiB of the GPU for a moment)
     print(f"# device copy bandwidth {copy_tb_s:.2f} TB/s (read + write)", flush=True)
     print(f"# prompt {args.prompt_len} tokens, {args.new_tokens} new tokens forced, LoRA rank {args.rank} "
           f"unmerged on q,k,v,o,gate,up,down, AQN sigma {args.aqn_sigma:g} on the decoder norms", flush=True)
     rows, notes = [], []
-    models = [("7b", q) for q in args.quants] + ([("32b", "nvfp4")] if args.big else [])
+    models = [("7b", q) for q in args.quants] + ([(args.big_size, "nvfp4")] if args.big else [])
     for size, quant in models:
         gc.collect()
         torch.cuda.empty_cache()
         t0 = time.perf_counter()
-        model = Transformer.from_random(qwen25_config(size), torch.bfloat16, dev, quantize=quant == "nvfp4", seed=0)
+        model = random_model(qwen25_config(size), quant, dev, seed=0)
         _add_lora(model, args.rank)
         torch.cuda.synchronize()
-        step_gb = _step_bytes(model) / 1e9
-        floor = step_gb / copy_tb_s  # ms: GB / (TB/s)
+        weights = step_bytes(model)
+        kv_token = memory.kv_bytes_per_token(model.config, model.dtype)
+        mean_columns = args.prompt_len + args.new_tokens / 2  # (each row its own prompt here)
+        floor_of = lambda batch, new=args.new_tokens: floor_ms(weights, kv_token, batch * (args.prompt_len + new / 2),
+                                                               copy_tb_s)
         print(f"# built {size} {quant} + LoRA in {time.perf_counter() - t0:.1f} s, "
-              f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB; a step reads >= {step_gb:.2f} GB "
-              f"of weights: floor {floor:.2f} ms at {copy_tb_s:.2f} TB/s", flush=True)
-        notes.append(f"{size} {quant}: weights read per step {step_gb:.2f} GB, floor {floor:.2f} ms/step at "
-                     f"{copy_tb_s:.2f} TB/s")
-        runs = [(b, {}) for b in (args.batches if size == "7b" else [1])]
+              f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB; a step reads >= {weights / 1e9:.2f} GB "
+              f"of weights and {kv_token * mean_columns / 1e6:.1f} MB of KV cache a row: floor {floor_of(1):.2f} "
+              f"ms at batch 1, at {copy_tb_s:.2f} TB/s", flush=True)
+        notes.append(f"{size} {quant}: weights read per step {weights / 1e9:.2f} GB, KV {kv_token * mean_columns / 1e6:.1f} "
+                     f"MB a row; floor {floor_of(1):.2f} ms/step at batch 1, at {copy_tb_s:.2f} TB/s")
+        runs = [(b, {}) for b in (args.batches if size == "7b" else [1])]  # (the big model: batch 1 alone)
         if args.variants and (size, quant) == ("7b", "nvfp4"):
             runs += [(1, dict(graphs=False)), (1, dict(kernels="torch")), (64, dict(kernels="torch"))]
         with aqn.noise(model, args.aqn_sigma, torch.Generator(dev).manual_seed(0)):
@@ -245,9 +323,12 @@ def bench(args):
                     print(line, flush=True)
                     notes.append(line)
                     continue
-                res.update(size=size, quant=quant)
+                res.update(size=size, quant=quant, floor_ms=floor_of(batch, tokens), copy_tb_s=copy_tb_s,
+                           weight_gb=weights / 1e9, prompt_len=args.prompt_len, new_tokens=tokens)
+                res["share"] = res["floor_ms"] / res["ms_step"]
                 line = (f"{size:>4} {quant:>6} batch {batch:>3}: {res['tok_s']:9.0f} tok/s  decode {res['ms_step']:6.2f} "
-                        f"ms/step  prefill {res['prefill_ms']:7.1f} ms ({res['prefill']}; the shape's first "
+                        f"ms/step (floor {res['floor_ms']:.2f}: {res['share']:.0%})  prefill {res['prefill_ms']:7.1f} ms "
+                        f"({res['prefill']}; the shape's first "
                         f"{res['first_prefill_ms']:.0f})  compile+capture {res['capture_s']:.1f} s  "
                         f"(kernels {res['kernels']}, graphs {res['graphs']})")
                 print(line, flush=True)
@@ -255,6 +336,7 @@ def bench(args):
                     rows.append(res)
                 else:
                     notes.append("variant " + line)
+                write_outputs(args, props, copy_tb_s, rows, notes)  # (after every row: a run cut short keeps them)
             for batch in (args.batches if args.early_stop and size == "7b" else []):
                 kw = {"kernels": args.kernels, "graphs": args.graphs}
                 r = _bench_early_stop(model, batch, args.prompt_len, args.new_tokens, args.early_stop, seed=batch, **kw)
@@ -276,25 +358,33 @@ def bench(args):
                     notes.append(line)
         release(model)
         del model
-    table = _table(rows)
-    print(table)
-    if args.bench_out:
-        with open(args.bench_out, "w") as f:
-            f.write(table + "\n\n" + "\n".join(notes) + "\n")
+    print(_table(rows))
+    write_outputs(args, props, copy_tb_s, rows, notes)
     return rows
 
 
+def write_outputs(args, props, copy_tb_s, rows, notes):
+    """The table and notes so far to --bench-out (markdown), the rows to --json."""
+    if args.bench_out:
+        write_atomic(args.bench_out, _table(rows) + "\n\n" + "\n".join(notes) + "\n")
+    if args.json:
+        write_json(args.json, dict(device=props.name, torch=torch.__version__, triton=triton.__version__,
+                                   copy_tb_s=copy_tb_s, rows=rows, notes=notes))
+
+
 def _table(rows):
+    """The markdown table: per model and batch, each base's tok/s, ms a step, its floor and share."""
     by = {(r["size"], r["quant"], r["batch"]): r for r in rows}
-    lines = ["| model | batch | NVFP4+LoRA tok/s | ms/step | bf16+LoRA tok/s | ms/step | NVFP4 / bf16 |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    for size in ("7b", "32b"):
+    lines = ["| model | batch | NVFP4+LoRA tok/s | ms/step | floor ms | share | bf16+LoRA tok/s | ms/step | floor ms "
+             "| share | NVFP4 / bf16 |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for size in dict.fromkeys(r["size"] for r in rows):
         for b in sorted({r["batch"] for r in rows if r["size"] == size}):
             f4, bf = by.get((size, "nvfp4", b)), by.get((size, "bf16", b))
-            cell = lambda r, k, fmt: format(r[k], fmt) if r else "-"
+            cells = lambda r: (f"{r['tok_s']:.0f} | {r['ms_step']:.2f} | {r['floor_ms']:.2f} | {r['share']:.0%}" if r
+                               else "- | - | - | -")
             ratio = f"{f4['tok_s'] / bf['tok_s']:.2f}x" if f4 and bf else "-"
-            lines.append(f"| Qwen2.5-{size.upper()} shape | {b} | {cell(f4, 'tok_s', '.0f')} | {cell(f4, 'ms_step', '.2f')} "
-                         f"| {cell(bf, 'tok_s', '.0f')} | {cell(bf, 'ms_step', '.2f')} | {ratio} |")
+            lines.append(f"| Qwen2.5-{size.upper()} shape | {b} | {cells(f4)} | {cells(bf)} | {ratio} |")
     return "\n".join(lines)
 
 
@@ -304,9 +394,13 @@ def main(argv=None):
     p.add_argument("--bench", action="store_true", help="run the benchmark (the default; kept so that "
                                                         "`python rollout.py --bench ...` passes its flags here)")
     p.add_argument("--bench-out", default=None, help="also write the benchmark table (markdown) here")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the rows (with their floors, the card "
+                   "and the versions) as JSON here")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64], help="benchmark batch sizes")
     p.add_argument("--quants", nargs="+", default=["nvfp4", "bf16"], help="benchmark base formats")
-    p.add_argument("--no-big", dest="big", action="store_false", help="skip the 32B NVFP4 batch-1 row")
+    p.add_argument("--no-big", dest="big", action="store_false", help="skip the big model's NVFP4 batch-1 row")
+    p.add_argument("--big-size", default="32b", choices=("14b", "32b", "72b"), help="the big model of the NVFP4 "
+                   "batch-1 row (72b: 46 GB of weights)")
     p.add_argument("--prompt-len", type=int, default=256, help="benchmark prompt tokens")
     p.add_argument("--new-tokens", type=int, default=512, help="benchmark new tokens (forced, no stop)")
     p.add_argument("--rank", type=int, default=32, help="benchmark LoRA rank")

@@ -13,8 +13,8 @@ a 32B model on one 80 GB GPU. This script measures both on Qwen2.5-shaped models
                every configuration decodes the same amount)
              + a reward stand-in (random 0/1 per completion, so every group carries signal)
              + one update pass of train.update (DAPO loss, chunked logprobs, the blocks through
-               torch.compile and activation checkpointing only where a micro-batch would not fit
-               without it, as train.py does on a GPU, AdamW on the LoRA parameters)
+               torch.compile and activation checkpointing only where the memory plan needs it, AdamW on
+               the LoRA parameters)
 
 and prints rollout tokens/s, update tokens/s, the step time split, peak GPU memory
 (torch.cuda.max_memory_allocated) and the NVFP4 / bf16 ratios. `--mem-cap-gb 80` caps the process
@@ -23,39 +23,59 @@ with torch.cuda.set_per_process_memory_fraction to reproduce an 80 GB card on a 
 tail up to --new-tokens): then the rollout's batch shrinks as its rows finish (engine/decode.py) and the
 update sees fewer tokens. The two bases then decode different tokens and so different lengths (the
 mean_len column); a timed step may also capture the graph of a batch size the warm-up step did not
-reach (capture_s, included in rollout_s). Any step may meet a micro-batch shape that makes torch.compile
-compile the update's blocks once more (a one-time cost of seconds, inside update_s): each mode's line says
-how many graphs its timed steps compiled.
+reach (capture_s, included in rollout_s).
 
     python -m engine.bench_step --size 7b                   # bf16 and NVFP4, 8 prompts x 8, 256 + 1024 tokens
     python -m engine.bench_step --size 7b --early-stop 256  # the same, completions of ~256 tokens on average
     python -m engine.bench_step --size 32b --modes nvfp4 --mem-cap-gb 80
+    python -m engine.bench_step --size 72b --modes nvfp4 --mem-cap-gb 80 --decode-batch1  # built in NVFP4
     python -m engine.bench_step --size 7b --modes bf16,nvfp4,nvfp4+fp8   # and the update on FP8 tensor cores
     python -m engine.bench_step --size 7b --early-stop 256 --profile       # and where each step's time goes
 
 The last column is the step's sampler-trainer mismatch (grpo.py's mismatch_kl: the rollout's logprobs
 against the update's, no AQN here), which --fp8-update raises.
+
+Memory. Each mode first plans its step with memory.plan (printed as a table): on a GPU, in what this
+process may use (free memory, or --mem-cap-gb); the rollout runs in as many rollout.generate calls of
+whole groups as its KV cache needs (each call's rows keyed as in one call: the same samples), the cache
+is released before the update where the two do not fit together, and the update takes the plan's
+micro-batch, logprob chunk and activation checkpointing. What does not fit is printed, and no model is
+built; a mode that runs out of memory anyway is reported with the phase and torch's account of it. The
+peak of each phase is measured beside the plan's estimate.
+
+Every row reports the first (warm-up) step's time, which compiles the update's blocks and captures the
+rollout's CUDA graphs, beside the steady-state mean of the timed steps. A graph compiled in a timed step
+(a recompile: a micro-batch brought a token count that torch.compile had not made generic) is a bug to
+fix, not a cost to average: its count is a line of its own and a JSON field (its seconds stay inside that
+step's update_s). The rollout's decode is set against
+its floor (weights and KV cache read once a step at the card's copy bandwidth, measured in the same run),
+as is the batch-1 decode of --decode-batch1. --json writes the rows, --md the tables.
 """
 import argparse
 import functools
 import gc
+import math
 import time
 
 import torch
 
+import ddp
 import lora
+import memory
 import rollout
 import train
-from engine.bench_rollout import mean_length, random_stop_ids
-from model import Transformer, qwen25_config
+from engine.bench_gemm import write_atomic, write_json
+from engine.bench_rollout import floor_ms, mean_length, random_model, random_stop_ids, step_bytes
+from model import qwen25_config
 
 
 MODES = ("bf16", "nvfp4", "nvfp4+fp8")  # the bases: 16-bit, NVFP4, NVFP4 with the update on FP8 tensor cores
+SIZES = ("0.5b", "1.5b", "3b", "7b", "14b", "32b", "72b")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="RL step benchmark: bf16-LoRA vs NVFP4-LoRA on random Qwen2.5 shapes.")
-    p.add_argument("--size", default="7b", help="Qwen2.5 shape: 0.5b, 1.5b, 3b, 7b, 14b, 32b")
+    p.add_argument("--size", default="7b", choices=SIZES, help="Qwen2.5 shape")
     p.add_argument("--modes", default="bf16,nvfp4", help="comma-separated bases to compare: bf16, nvfp4, nvfp4+fp8 "
                    "(an NVFP4 base whose update runs on FP8 tensor cores: train.py --fp8-update)")
     p.add_argument("--prompts", type=int, default=8, help="prompts per step")
@@ -68,19 +88,33 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=2, help="timed RL steps per mode (after one warm-up step)")
     p.add_argument("--lora-rank", type=int, default=32, help="LoRA rank on all seven projections")
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per update forward/backward at full length "
-                   "(train.py's: more where completions stop early)")
+                   "(train.py's: more where completions stop early; the memory plan may lower it)")
+    p.add_argument("--logp-chunk", type=int, default=1024, help="completion tokens per lm_head chunk in the update "
+                   "(train.py's; the memory plan may lower it)")
     p.add_argument("--checkpointing", default="auto", choices=["auto", "on", "off"],
-                   help="activation checkpointing in the update, as train.py's (auto: off where a micro-batch fits)")
-    p.add_argument("--mem-cap-gb", type=float, default=None, help="cap this process's GPU memory (e.g. 80)")
-    p.add_argument("--decode-batch1", action="store_true", help="also time batch-1 rollout tok/s")
+                   help="activation checkpointing in the update (auto: the memory plan's choice, off where a "
+                        "micro-batch fits without)")
+    p.add_argument("--mem-cap-gb", type=float, default=None, help="cap this process's GPU memory at this many GB "
+                   "(1e9 bytes; e.g. 80 for an 80 GB card on a larger one), and plan the step in it")
+    p.add_argument("--decode-batch1", action="store_true", help="also time batch-1 rollout tok/s, against its floor")
     p.add_argument("--no-compile", action="store_true", help="update with eager blocks (as train.py --no-compile)")
     p.add_argument("--profile", action="store_true", help="also say where a step's time goes: the rollout's decode at "
-                   "each batch size (its last timed step) and one more update under torch.profiler, by kind of kernel")
+                   "each batch size (its last timed call) and one more update under torch.profiler, by kind of kernel")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write every mode's row (plan, first and steady "
+                   "steps, peaks, floors, recompiles) as JSON here, after each mode")
+    p.add_argument("--md", default=None, metavar="PATH", help="also write the printed tables (markdown) here")
     a = p.parse_args(argv)
     if any(m not in MODES for m in a.modes.split(",")):
         p.error(f"--modes {a.modes}: each one of {', '.join(MODES)}, separated by commas")
     if a.steps < 1:  # (the warm-up step is not timed: with none timed there is nothing to report)
         p.error(f"--steps {a.steps}: at least 1 timed step")
+    small = [f"--{k.replace('_', '-')} {getattr(a, k)}" for k in ("prompts", "prompt_len", "new_tokens", "lora_rank",
+                                                                   "micro_batch", "logp_chunk") if getattr(a, k) < 1]
+    if a.group_size < 2 or small:
+        p.error(", ".join(small + ([f"--group-size {a.group_size}"] if a.group_size < 2 else [])) +
+                ": must be at least 1 (the group size at least 2)")
+    if a.mem_cap_gb is not None and not a.mem_cap_gb > 0:
+        p.error(f"--mem-cap-gb {a.mem_cap_gb}: a number of GB > 0")
     return a
 
 
@@ -93,13 +127,25 @@ def stop_ids(a, vocab):
     return random_stop_ids(vocab, a.early_stop, torch.Generator().manual_seed(1))
 
 
-def update_args(a, fp8=False):
+def step_plan(a, cfg, mode, cap, headroom=None):
+    """memory.plan of this benchmark's step for `mode`'s base in `cap` bytes (None: not measured, the CPU):
+    LoRA float32 on the seven projections, the norms not trained (this benchmark trains the adapters alone)."""
+    return memory.plan(cfg, cap, prompts=a.prompts, group_size=a.group_size, prompt_len=a.prompt_len,
+                       max_new_tokens=a.new_tokens, micro_batch=a.micro_batch, lora_rank=a.lora_rank,
+                       logp_chunk=a.logp_chunk, quant="bf16" if mode == "bf16" else "nvfp4", train_norms=False,
+                       checkpointing=a.checkpointing, headroom=headroom, title=f"Qwen2.5-{a.size} shape, {mode}")
+
+
+def update_args(a, plan, fp8=False):
     """train.update's knobs for one on-policy DAPO pass: train.py's own defaults (its DAPO recipe), with
-    this benchmark's micro-batch, completion length and checkpointing, and truncated completions kept in
-    the loss: forced-length ones are all truncated, and masking them would leave the update nothing to do."""
-    return train.recipe(train.parse_args(["--algo", "dapo", "--micro-batch", str(a.micro_batch), "--max-new-tokens",
-                                          str(a.new_tokens), "--checkpointing", a.checkpointing,
-                                          "--no-mask-truncated"] + (["--fp8-update"] if fp8 else [])))
+    the plan's micro-batch, logprob chunk and checkpointing (--checkpointing as given where the plan measured
+    nothing: the CPU), this benchmark's completion length, and truncated completions kept in the loss:
+    forced-length ones are all truncated, and masking them would leave the update nothing to do."""
+    ckpt = a.checkpointing if plan.cap is None else ("on" if plan.checkpointing else "off")
+    return train.recipe(train.parse_args(["--algo", "dapo", "--micro-batch", str(plan.micro_batch), "--logp-chunk",
+                                          str(plan.logp_chunk), "--max-new-tokens", str(a.new_tokens),
+                                          "--checkpointing", ckpt, "--no-mask-truncated"]
+                                         + (["--fp8-update"] if fp8 else [])))
 
 
 # Kinds of update kernels, by name: the first pattern a kernel's name contains (lower case) decides
@@ -167,114 +213,280 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def run_mode(a, mode, device, cfg):
-    """Build a random model of cfg's shape with `mode` base weights, run 1 + a.steps RL steps, and
-    return the timings of the last a.steps."""
-    if device.type == "cuda":
+def rollout_groups(model, prompts, a, plan, stops, step):
+    """The step's rollout as the plan lays it out: calls of plan.rollout_rows rows (whole groups), each keyed
+    (ddp.shift_seed) as its rows would be in one call of every prompt, so the samples do not depend on the
+    split. → (train.update's groups, each with its call's Rollout; the calls' Rollouts)."""
+    per_call = plan.rollout_rows // a.group_size
+    groups, calls = [], []
+    for lo in range(0, len(prompts), per_call):
+        ro = rollout.generate(model, prompts[lo:lo + per_call], n=a.group_size, max_new_tokens=a.new_tokens,
+                              temperature=1.0, stop_ids=stops, seed=ddp.shift_seed(step, lo * a.group_size))
+        calls.append(ro)
+        groups += [dict(item=lo + i, rollout=ro, rows=list(range(i * a.group_size, (i + 1) * a.group_size)))
+                   for i in range(len(ro.finish) // a.group_size)]
+    return groups, calls
+
+
+def decode_floor_s(segments, weights, kv_token, group_size, prompt_len, copy_tb_s):
+    """The floor of a rollout call's decode (segments: (rows, forwards, seconds) at each batch size, in order):
+    each forward reads the weights once and the KV cache of its live rows, the fewest groups they can hold
+    reading their shared prompt once (the engine reads a group's prompt once for all its samples). → s."""
+    floor, t = 0.0, 1  # t: new tokens in the cache at the segment's first forward
+    for rows, forwards, _ in segments:
+        kv_tokens = math.ceil(rows / group_size) * prompt_len + rows * (t + (forwards - 1) / 2)
+        floor += forwards * floor_ms(weights, kv_token, kv_tokens, copy_tb_s) / 1e3
+        t += forwards
+    return floor
+
+
+def timed_step(model, optimizer, params, prompts, a, plan, ua, stops, gen, step, device, cuda):
+    """One RL step: rollout (in the plan's calls), the cache released where the plan says, the reward stand-in,
+    one update. → (a row of timings and peaks, the update's metrics, the groups, the rewards, the calls)."""
+    sync(device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.time()
+    model.eval()
+    with torch.no_grad():
+        groups, calls = rollout_groups(model, prompts, a, plan, stops, step)
+    sync(device)
+    t1 = time.time()
+    peak_rollout = torch.cuda.max_memory_allocated() if cuda else float("nan")
+    if not plan.keep_cache:
+        rollout.release(model)  # the update needs the cache's memory; the next rollout allocates and captures again
+    correct = torch.randint(0, 2, (a.prompts, a.group_size), generator=gen).float()  # the reward stand-in
+    sync(device)
+    t2 = time.time()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    metrics = train.update(ua, model, optimizer, params, groups, correct, prompts.__getitem__, 0.0, 0, device)
+    sync(device)
+    t3 = time.time()
+    gen_tokens = sum(int(ro.lengths.sum()) for ro in calls)
+    upd_tokens = gen_tokens + a.prompts * a.group_size * a.prompt_len
+    stat = lambda k: sum(ro.stats[k] for ro in calls)
+    row = dict(rollout_s=t1 - t0, update_s=t3 - t2, other_s=t2 - t1, step_s=t3 - t0,
+               rollout_tok_s=gen_tokens / (t1 - t0), update_tok_s=upd_tokens / (t3 - t2),
+               mean_len=gen_tokens / (a.prompts * a.group_size), capture_s=stat("capture_s"), decode_s=stat("decode_s"),
+               prefill_s=stat("prefill_s"), mismatch_kl=metrics["mismatch_kl"],
+               peak_rollout_gb=peak_rollout / 2**30,
+               peak_update_gb=torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"))
+    return row, metrics, groups, correct, calls
+
+
+def run_mode(a, mode, device, cfg, plan=None, copy_tb_s=None):
+    """Plan the step (step_plan, in what this process may use on `device`, unless `plan` is given), build a
+    random model of cfg's shape with `mode` base weights, run 1 + a.steps RL steps, and return the first
+    step's timings and the mean of the last a.steps, the peaks, the floors (where copy_tb_s, the card's
+    copy bandwidth in TB/s, is known) and the graphs compiled in the timed steps."""
+    cuda = device.type == "cuda"
+    if plan is None:
+        plan = step_plan(a, cfg, mode, memory.gpu_budget(device, a.mem_cap_gb))
+    res = dict(mode=mode, size=a.size, plan=plan.settings(), plan_table=plan.describe(), fits=plan.fits)
+    if not plan.fits:
+        return res
+    if cuda:
+        gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     t0 = time.time()
-    model = Transformer.from_random(cfg, dtype=torch.bfloat16, device=device, quantize=mode.startswith("nvfp4"))
+    model = random_model(cfg, "bf16" if mode == "bf16" else "nvfp4", device)
     params = lora.apply_lora(model, rank=a.lora_rank, alpha=a.lora_rank)
     # nonzero B (apply_lora returns A0, B0, A1, B1, ...), as after some training, so the adapters do real work
     for b in params[1::2]:
         b.data.normal_(0, 1e-3)
     model.compile_blocks = train.compile_backend(device, a.no_compile)
     optimizer = torch.optim.AdamW(params, lr=1e-5)
-    build_s = time.time() - t0
+    sync(device)
+    res["build_s"] = time.time() - t0
+    res["built_gb"] = torch.cuda.memory_allocated() / 2**30 if cuda else float("nan")
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, cfg.vocab_size, (a.prompt_len,), generator=gen).tolist() for _ in range(a.prompts)]
     stops = stop_ids(a, cfg.vocab_size)
-    ua = update_args(a, fp8=mode == "nvfp4+fp8")
-    rows = []
+    ua = update_args(a, plan, fp8=mode == "nvfp4+fp8")
+    weights, kv_token = step_bytes(model), memory.kv_bytes_per_token(cfg, model.dtype)
+    rows, graphs = [], compiled_graphs()
     for step in range(a.steps + 1):  # step 0 warms up (compilation, graph capture, autotuning)
-        if step == 1:
-            graphs = compiled_graphs()
-        sync(device)
-        t0 = time.time()
-        model.eval()
-        with torch.no_grad():
-            ro = rollout.generate(model, prompts, n=a.group_size, max_new_tokens=a.new_tokens, temperature=1.0,
-                                  stop_ids=stops, seed=step)
-        sync(device)
-        t1 = time.time()
-        correct = torch.randint(0, 2, (a.prompts, a.group_size), generator=gen).float()  # the reward stand-in
-        groups = [dict(item=i, rollout=ro, rows=list(range(i * a.group_size, (i + 1) * a.group_size)))
-                  for i in range(a.prompts)]
-        metrics = train.update(ua, model, optimizer, params, groups, correct, lambda i: prompts[i], 0.0, 0, device)
-        sync(device)
-        t2 = time.time()
-        if step:
-            gen_tokens = int(ro.lengths.sum())
-            upd_tokens = gen_tokens + a.prompts * a.group_size * a.prompt_len
-            rows.append(dict(rollout_s=t1 - t0, update_s=t2 - t1, step_s=t2 - t0, rollout_tok_s=gen_tokens / (t1 - t0),
-                             update_tok_s=upd_tokens / (t2 - t1), mean_len=gen_tokens / len(ro.finish),
-                             capture_s=ro.stats["capture_s"], mismatch_kl=metrics["mismatch_kl"]))
-    res = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
-    res["compiles"] = compiled_graphs() - graphs  # in the timed steps: each a one-time cost inside its update_s
+        row, metrics, groups, correct, calls = timed_step(model, optimizer, params, prompts, a, plan, ua, stops, gen,
+                                                          step, device, cuda)
+        if copy_tb_s:
+            row["decode_floor_s"] = sum(decode_floor_s(ro.stats["segments"], weights, kv_token, a.group_size,
+                                                       a.prompt_len, copy_tb_s) for ro in calls)
+            row["decode_share"] = row["decode_floor_s"] / row["decode_s"]
+        now = compiled_graphs()
+        row["graphs_compiled"], graphs = now - graphs, now
+        rows.append(row)
+        print(f"    {mode} step {step}{' (warm-up)' if not step else ''}: {row['step_s']:.1f} s = rollout "
+              f"{row['rollout_s']:.1f} (captures {row['capture_s']:.1f}) + update {row['update_s']:.1f} + other "
+              f"{row['other_s']:.1f}; peak {row['peak_rollout_gb']:.1f} / {row['peak_update_gb']:.1f} GiB; "
+              f"{row['graphs_compiled']} graphs compiled", flush=True)
+    first, timed = rows[0], rows[1:]
+    res.update({k: sum(r[k] for r in timed) / len(timed) for k in timed[0] if k != "graphs_compiled"})
+    res["first_step"] = first
+    res["recompiles"] = sum(r["graphs_compiled"] for r in timed)  # each a bug: the update met a shape anew
+    res["peak_rollout_gb"] = max(r["peak_rollout_gb"] for r in rows)
+    res["peak_update_gb"] = max(r["peak_update_gb"] for r in rows)
+    res["peak_gb"] = max(res["peak_rollout_gb"], res["peak_update_gb"])
     if a.profile:
         again = functools.partial(train.update, ua, model, optimizer, params, groups, correct, prompts.__getitem__, 0.0,
                                   0, device)  # the last step's batch once more
-        res["profile"] = profile_text(mode, ro.stats, profile_update(again, device))
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-    res.update(mode=mode, build_s=build_s, peak_gb=peak, grad_norm=metrics["grad_norm"],
-               checkpointing="on" if metrics["checkpointing"] else "off")
+        res["profile"] = profile_text(mode, calls[-1].stats, profile_update(again, device))
+    res.update(grad_norm=metrics["grad_norm"], checkpointing="on" if metrics["checkpointing"] else "off",
+               micro_batch=plan.micro_batch, logp_chunk=plan.logp_chunk, rollout_rows=plan.rollout_rows,
+               rollout_calls=plan.rollout_calls, keep_cache=plan.keep_cache)
     if a.decode_batch1:
-        with torch.no_grad():
-            # the warm-up at the timed call's shape, whose graphs it captures (a shorter one makes another state,
-            # and the timed call would capture its own)
-            rollout.generate(model, prompts[:1], n=1, max_new_tokens=a.new_tokens, stop_ids=(), seed=0)
-            sync(device)
-            t0 = time.time()
-            ro = rollout.generate(model, prompts[:1], n=1, max_new_tokens=a.new_tokens, stop_ids=(), seed=1)
-            sync(device)
-        res["batch1_tok_s"] = int(ro.lengths.sum()) / (time.time() - t0)
+        res.update(batch1(model, prompts[0], a, weights, kv_token, copy_tb_s, device))
     rollout.release(model)
-    del model, params, optimizer, ro
+    del model, params, optimizer, groups, calls
     gc.collect()
-    if device.type == "cuda":
+    if cuda:
         torch.cuda.empty_cache()
     return res
+
+
+def batch1(model, prompt, a, weights, kv_token, copy_tb_s, device):
+    """One prompt, one completion of --new-tokens tokens: tok/s (prefill included), ms a decode step, and that
+    step's floor (weights and the KV cache at the decode's mean column) and share."""
+    with torch.no_grad():
+        # the warm-up at the timed call's shape, whose graphs it captures (a shorter one makes another state,
+        # and the timed call would capture its own)
+        rollout.generate(model, [prompt], n=1, max_new_tokens=a.new_tokens, stop_ids=(), seed=0)
+        sync(device)
+        t0 = time.time()
+        ro = rollout.generate(model, [prompt], n=1, max_new_tokens=a.new_tokens, stop_ids=(), seed=1)
+        sync(device)
+    out = dict(batch1_tok_s=int(ro.lengths.sum()) / (time.time() - t0),
+               batch1_ms_step=1e3 * ro.stats["decode_s"] / max(1, ro.stats["steps"] - 1))
+    if copy_tb_s:
+        out["batch1_floor_ms"] = floor_ms(weights, kv_token, a.prompt_len + a.new_tokens / 2, copy_tb_s)
+        out["batch1_share"] = out["batch1_floor_ms"] / out["batch1_ms_step"]
+    return out
+
+
+def out_of_memory(mode, plan, error, cuda):
+    """A mode that ran out of GPU memory, as a result: in which phase (from the traceback), torch's message
+    (what was allocated, reserved, free), the peak so far, beside the plan."""
+    import traceback
+
+    names = [f.name for f in traceback.extract_tb(error.__traceback__)]
+    phase = next((what for name, what in (("batch1", "batch-1 decode"), ("update", "update"),
+                                          ("rollout_groups", "rollout"), ("random_model", "build"))
+                  if name in names), "step")
+    return dict(mode=mode, fits=True, plan=plan.settings(), plan_table=plan.describe(), oom_phase=phase,
+                oom=" ".join(str(error).split()), peak_gb=torch.cuda.max_memory_allocated() / 2**30 if cuda else None)
+
+
+def mode_lines(r):
+    """A mode's result in a few lines: the plan's settings, the first and the steady step, the peaks against
+    the plan's, recompiles (loudly), the batch-1 decode against its floor."""
+    p = r["plan"]
+    if not r["fits"]:
+        return [f"  {r['mode']}: does not fit (the plan above says what to lower); nothing run"]
+    if "oom" in r:
+        peak = f"; the peak so far {r['peak_gb']:.1f} GiB" if r["peak_gb"] is not None else ""
+        return [f"  {r['mode']}: OUT OF MEMORY in the {r['oom_phase']} (the plan: {p['peak_rollout_gb']:.1f} GB "
+                f"rolling out, {p['peak_update_gb']:.1f} GB updating{peak}): {r['oom']}"]
+    f = r["first_step"]
+    cache = "kept" if p["keep_cache"] else "released before each update"
+    lines = [f"  {r['mode']}: built in {r['build_s']:.0f} s ({r['built_gb']:.1f} GiB); {p['rollout_rows']} rows a rollout "
+             f"call ({p['rollout_calls']} a step), cache {cache}, micro-batch {p['micro_batch']}, logprob chunk "
+             f"{p['logp_chunk']}, activation checkpointing {r['checkpointing']}",
+             f"    first step {f['step_s']:.1f} s (rollout {f['rollout_s']:.1f} + update {f['update_s']:.1f} + other "
+             f"{f['other_s']:.1f}; graph captures {f['capture_s']:.1f} s, {f['graphs_compiled']} graphs compiled); "
+             f"steady {r['step_s']:.1f} s (rollout {r['rollout_s']:.1f} + update {r['update_s']:.1f} + other "
+             f"{r['other_s']:.1f}; captures {r['capture_s']:.1f} s)",
+             f"    peak {r['peak_gb']:.1f} GiB: rollout {r['peak_rollout_gb']:.1f}, update {r['peak_update_gb']:.1f} "
+             f"(the plan: {p['peak_rollout_gb'] * 1e9 / 2**30:.1f}, {p['peak_update_gb'] * 1e9 / 2**30:.1f})"]
+    if "decode_share" in r:
+        lines.append(f"    rollout decode {r['decode_s']:.2f} s against a floor of {r['decode_floor_s']:.2f} s "
+                     f"({r['decode_share']:.0%})")
+    if r["recompiles"]:
+        lines.append(f"    RECOMPILED: {r['recompiles']} graphs compiled in the timed steps. A bug, not a cost: the "
+                     f"update met a shape it had compiled for statically (the token count changed); its time is in "
+                     f"update_s above")
+    else:
+        lines.append("    recompiles in the timed steps: 0")
+    if "batch1_tok_s" in r:
+        floor = (f", floor {r['batch1_floor_ms']:.2f} ms ({r['batch1_share']:.0%})" if "batch1_share" in r else "")
+        lines.append(f"    decode at batch 1: {r['batch1_tok_s']:.1f} tok/s, {r['batch1_ms_step']:.2f} ms a step{floor}")
+    return lines
+
+
+def report(a, header, results):
+    """The markdown of a run so far: the header, each mode's plan and lines, the table and the ratios."""
+    out = [header, ""]
+    for r in results.values():
+        out += ["```", r["plan_table"], "```"] + mode_lines(r) + [""]
+    ran = {m: r for m, r in results.items() if r["fits"] and "oom" not in r}
+    cols = ["rollout_tok_s", "update_tok_s", "rollout_s", "update_s", "other_s", "step_s", "peak_gb"] + \
+           (["mean_len", "capture_s"] if a.early_stop else []) + \
+           (["batch1_tok_s"] if a.decode_batch1 else [])
+    if ran:
+        out.append("| base | " + " | ".join(cols) + " | first step s | decode share | recompiles | mismatch_kl |")
+        out.append("|---" * (len(cols) + 5) + "|")
+        for mode, r in ran.items():
+            share = f"{r['decode_share']:.0%}" if "decode_share" in r else "-"
+            out.append(f"| {mode} | " + " | ".join(f"{r[c]:.1f}" for c in cols) +
+                       f" | {r['first_step']['step_s']:.1f} | {share} | {r['recompiles']} | {r['mismatch_kl']:.2e} |")
+    b = ran.get("bf16")
+    for mode, n in ran.items():
+        if b is None or mode == "bf16":
+            continue
+        out.append(f"\n{mode} / bf16: step time {n['step_s'] / b['step_s']:.2f}x, rollout speed-up "
+                   f"{n['rollout_tok_s'] / b['rollout_tok_s']:.2f}x, update speed-up {n['update_tok_s'] / b['update_tok_s']:.2f}x")
+        if b.get("capture_s") or n.get("capture_s"):  # a one-time cost: later steps replay those graphs
+            out.append(f"without the timed steps' graph captures: step time {n['step_s'] - n['capture_s']:.1f} / "
+                       f"{b['step_s'] - b['capture_s']:.1f} s = "
+                       f"{(n['step_s'] - n['capture_s']) / (b['step_s'] - b['capture_s']):.2f}x")
+    return "\n".join(out)
 
 
 def main(argv=None):
     a = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("engine.bench_step needs a CUDA GPU")
+    import triton
+
+    from engine.bench_gemm import copy_bandwidth
+
     device = torch.device("cuda")
     total = torch.cuda.get_device_properties(0).total_memory
     if a.mem_cap_gb:
         torch.cuda.set_per_process_memory_fraction(min(1.0, a.mem_cap_gb * 1e9 / total))
-    print(f"{torch.cuda.get_device_name(0)} ({total / 2**30:.0f} GiB{f', capped at {a.mem_cap_gb} GB' if a.mem_cap_gb else ''}); "
-          f"Qwen2.5-{a.size} shape, random weights; {a.prompts} prompts x G={a.group_size}, prompt {a.prompt_len}, "
-          f"{f'up to {a.new_tokens} new tokens, ~{a.early_stop:g} on average' if a.early_stop else f'{a.new_tokens} new tokens forced'}, "
-          f"LoRA r={a.lora_rank} on q,k,v,o,gate,up,down; {a.steps} timed steps")
+    copy_tb_s = copy_bandwidth()  # (before any model: it needs 2 GiB for a moment)
+    header = (f"{torch.cuda.get_device_name(0)} ({total / 2**30:.0f} GiB{f', capped at {a.mem_cap_gb} GB' if a.mem_cap_gb else ''}; "
+              f"copy {copy_tb_s:.2f} TB/s); torch {torch.__version__}, triton {triton.__version__}; "
+              f"Qwen2.5-{a.size} shape, random weights; {a.prompts} prompts x G={a.group_size}, prompt {a.prompt_len}, "
+              f"{f'up to {a.new_tokens} new tokens, ~{a.early_stop:g} on average' if a.early_stop else f'{a.new_tokens} new tokens forced'}, "
+              f"LoRA r={a.lora_rank} on q,k,v,o,gate,up,down; {a.steps} timed steps")
+    print(header, flush=True)
     results = {}
     for mode in a.modes.split(","):
-        results[mode] = run_mode(a, mode, device, qwen25_config(a.size))
-        r = results[mode]
-        print(f"  {mode}: built in {r['build_s']:.0f} s, step {r['step_s']:.1f} s, peak {r['peak_gb']:.1f} GiB, "
-              f"activation checkpointing {r['checkpointing']}, {r['compiles']} graphs compiled in the timed steps",
-              flush=True)
-    cols = ["rollout_tok_s", "update_tok_s", "rollout_s", "update_s", "step_s", "peak_gb"] + \
-           (["mean_len", "capture_s"] if a.early_stop else []) + (["batch1_tok_s"] if a.decode_batch1 else [])
+        cfg = qwen25_config(a.size)
+        plan = step_plan(a, cfg, mode, memory.gpu_budget(device, a.mem_cap_gb))
+        print(plan.describe(), flush=True)
+        try:
+            results[mode] = run_mode(a, mode, device, cfg, plan=plan, copy_tb_s=copy_tb_s)
+        except torch.OutOfMemoryError as e:  # the measured memory beside the plan, and the next mode still runs
+            results[mode] = out_of_memory(mode, plan, e, cuda=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+        print("\n".join(mode_lines(results[mode])), flush=True)
+        if a.json:  # after every mode: a run cut short keeps what it measured
+            write_json(a.json, dict(header=header, device=torch.cuda.get_device_name(0), torch=torch.__version__,
+                                    triton=triton.__version__, copy_tb_s=copy_tb_s, args=vars(a),
+                                    results={m: {k: v for k, v in r.items() if k not in ("plan_table", "profile")}
+                                             for m, r in results.items()}))
+        if a.md:
+            write_atomic(a.md, report(a, header, results) + "\n")
     if a.profile:
-        print("\nWhere the time goes (the last timed step's rollout; one more update, profiled):")
+        print("\nWhere the time goes (the last timed step's last rollout call; one more update, profiled):")
         for r in results.values():
-            print(r["profile"])
-    print("\n| base | " + " | ".join(cols) + " | mismatch_kl |")
-    print("|---" * (len(cols) + 2) + "|")
-    for mode, r in results.items():
-        print(f"| {mode} | " + " | ".join(f"{r[c]:.1f}" for c in cols) + f" | {r['mismatch_kl']:.2e} |")
-    b = results.get("bf16")
-    for mode, n in results.items():
-        if b is None or mode == "bf16":
-            continue
-        print(f"\n{mode} / bf16: step time {n['step_s'] / b['step_s']:.2f}x, rollout speed-up "
-              f"{n['rollout_tok_s'] / b['rollout_tok_s']:.2f}x, update speed-up {n['update_tok_s'] / b['update_tok_s']:.2f}x")
-        if b.get("capture_s") or n.get("capture_s"):  # a one-time cost: later steps replay those graphs
-            print(f"without the timed steps' graph captures: step time {n['step_s'] - n['capture_s']:.1f} / "
-                  f"{b['step_s'] - b['capture_s']:.1f} s = {(n['step_s'] - n['capture_s']) / (b['step_s'] - b['capture_s']):.2f}x")
+            if "profile" in r:
+                print(r["profile"])
+    text = report(a, header, results)
+    print("\n" + text[text.index("| base |"):] if "| base |" in text else "")
     return results
 
 

@@ -54,3 +54,52 @@ def poisoned(monkeypatch):
         return t
 
     monkeypatch.setattr(torch, "empty", empty)
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A real, small filesystem, for what a full disk does: small_fs(size, code) runs `python -c code` in a
+    child process that sees a tmpfs of `size` (e.g. "64k") mounted on the returned folder, in a mount
+    namespace of its own (unshare -rm: no root needed where user namespaces are allowed), and returns the
+    CompletedProcess. What the child writes there is gone when it exits: the code prints what the test
+    checks. Skips, saying why, where the system cannot make one."""
+    import shutil
+    import subprocess
+    import sys
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("no unshare(1) on this system: a small real filesystem needs a private mount namespace")
+
+    def run(size, code):
+        script = 'mount -t tmpfs -o "size=$1" tmpfs "$2" || exit 97; shift 2; exec "$@"'
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        p = subprocess.run([unshare, "-rm", "sh", "-c", script, "sh", size, str(mnt), sys.executable, "-c", code],
+                           cwd=root, env=env, capture_output=True, text=True)
+        if p.returncode == 97 or (p.returncode != 0 and p.stderr.startswith("unshare:")):
+            pytest.skip(f"cannot mount a small tmpfs in a private namespace here: {p.stderr.strip()}")
+        return p
+
+    run.folder = str(mnt)
+    return run
+
+
+@pytest.fixture
+def tree():
+    """tree(folder) -> {relative path: sha256 of the file, or "link:" + where a link points} of everything
+    under folder (links not followed): a folder's state before and after a command, to compare."""
+    import hashlib
+
+    def snapshot(folder):
+        out = {}
+        for d, dirs, names in os.walk(folder):
+            for n in names + [x for x in dirs if os.path.islink(os.path.join(d, x))]:
+                p = os.path.join(d, n)
+                out[os.path.relpath(p, folder)] = ("link:" + os.readlink(p) if os.path.islink(p)
+                                                   else hashlib.sha256(open(p, "rb").read()).hexdigest())
+        return out
+
+    return snapshot

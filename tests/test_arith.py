@@ -94,3 +94,52 @@ def test_negative_count_is_refused():
     with pytest.raises(ValueError, match="n must be >= 0"):
         arith.load("test", n=-1)
     assert arith.load("test", n=0) == []
+
+
+def test_chains_are_counted_exactly(monkeypatch):
+    """On narrowed ranges (small enough to list): chains() lists each chain the rules allow once, as an
+    enumeration written here from the module docstring's rules finds them; count_chains' dynamic programme
+    counts them without listing; every drawn chain is among them; the splits partition them. On the real
+    ranges the counts add up to CHAINS, and MAX_SIZE is a tenth of each split."""
+    assert arith.count_chains() == sum(arith.CHAINS.values()) == 12503287
+    assert arith.MAX_SIZE == {s: arith.CHAINS[s] // 10 for s in arith.SPLITS}
+    for name, value in (("START_RANGE", (2, 5)), ("ADD_RANGE", (2, 3)), ("SUB_RANGE", (1, 3)), ("MUL_RANGE", (2, 3)),
+                        ("MUL_CAP", 9)):
+        monkeypatch.setattr(arith, name, value)
+
+    def allowed(x):  # (op, y) after the running value x: + always, - down to 1, * while the product stays <= the cap
+        return ([("+", y) for y in (2, 3)] + [("-", y) for y in (1, 2, 3) if x - y >= 1]
+                + [("*", y) for y in (2, 3) if 2 * x <= 9 and x * y <= 9])
+
+    want = set()
+
+    def walk(start, x, ops):
+        if 2 <= len(ops):
+            want.add((start, tuple(ops)))
+        for op, y in allowed(x) if len(ops) < 4 else ():
+            walk(start, eval(f"{x}{op}{y}"), ops + [(op, y)])
+
+    for start in range(2, 6):
+        walk(start, start, [])
+    listed = [(s, tuple(ops)) for s, ops in arith.chains()]
+    assert len(listed) == len(set(listed)) and set(listed) == want
+    assert arith.count_chains() == len(want)
+    assert arith.count_chains("test") + arith.count_chains("train") == len(want) and arith.count_chains("test") > 0
+    rng = random.Random(random.randrange(1000))
+    drawn = {(s, tuple(ops)) for s, ops in (arith._draw_chain(rng) for _ in range(3000))}
+    assert drawn <= want  # (the draw never makes a chain the count leaves out)
+
+
+def test_more_problems_than_a_split_gives_are_refused_at_once(monkeypatch):
+    """Asked for more distinct problems than MAX_SIZE, load refuses before drawing any (it used to draw
+    forever once a split ran out of new chains)."""
+    def no_draw(rng):
+        raise AssertionError("drew a chain")
+
+    monkeypatch.setattr(arith, "_draw_chain", no_draw)
+    for split in arith.SPLITS:
+        with pytest.raises(ValueError, match=f"arith's {split} split gives at most {arith.MAX_SIZE[split]} distinct "
+                                             f"problems .*; ask for {arith.MAX_SIZE[split]} or fewer"):
+            arith.load(split, arith.MAX_SIZE[split] + 1)
+    with pytest.raises(ValueError, match="at most 125125"):
+        arith.load("test", 10**9)

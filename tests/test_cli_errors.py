@@ -2,7 +2,9 @@
 and, where the input is a value, before any model loads. One table of cases, each an argv and the
 fragment of the message expected, run in-process through each CLI's main(argv). Then the output-folder
 rules on the two commands that replace whole folders (nvfp4.py, adapters.py --merge): `--out .`, `--out
-SOURCE` and a folder of someone else's files are refused with every file intact."""
+SOURCE` and a folder of someone else's files are refused with every file intact, with --force too; and
+what --force never deletes, command by command: the home folder, a link's target, a folder holding the
+run's data, the project's sources."""
 import hashlib
 import importlib.util
 import json
@@ -19,11 +21,12 @@ import hub
 import lora
 import model as M
 import nvfp4
+import rollout
 import tiny
 import train
 
 CLIS = {"train.py": train.main, "eval.py": ev.main, "nvfp4.py": nvfp4.main, "adapters.py": adapters.main,
-        "arith.py": arith.main, "tiny.py": lambda argv: tiny.main(tiny.parse_args(argv))}
+        "arith.py": arith.main, "tiny.py": lambda argv: tiny.main(tiny.parse_args(argv)), "rollout.py": rollout.main}
 SMALL = {"model_type": "qwen2", "vocab_size": 101, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2}
 
@@ -49,9 +52,14 @@ def files(tmp_path_factory):
     (root / "a-file").write_text("not a folder")
     (root / "user").mkdir()
     (root / "user" / "thesis.txt").write_text("years of work")
+    (root / "empty.jsonl").write_text("")
+    words = " ".join(["seven"] * 600)  # (600 tokens and more: longer than the tiny model's 512 positions)
+    (root / "long.jsonl").write_text(json.dumps({"question": f"What is {words}?", "answer": "7"}) + "\n")
+    (root / "link").symlink_to(root / "user")
     return {"tiny": str(tiny_dir), "truncated": str(truncated), "reshaped": str(reshaped),
             "other_adapter": str(root / "other-adapter"), "file": str(root / "a-file"), "user": str(root / "user"),
-            "tmp": str(root)}
+            "tmp": str(root), "empty": str(root / "empty.jsonl"), "long": str(root / "long.jsonl"),
+            "link": str(root / "link"), "words": words}
 
 
 no_wandb = pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")
@@ -87,14 +95,33 @@ BEFORE_LOAD = [
     ("train.py", ["--resume", "/nonexistent-run"], "cannot resume /nonexistent-run: no args.json in it"),
     ("train.py", ["--out", "."], "--out . is the current folder"),
     ("train.py", ["--out", "{file}/run"], "cannot create --out {file}/run: {file} is a file"),
-    ("train.py", ["--out", "{user}"], "holds files train.py did not write (e.g. thesis.txt); name a new folder, or pass --force"),
+    ("train.py", ["--out", "{user}"], "holds files that no command of this project wrote (e.g. thesis.txt), which are "
+                                      "never deleted, --force or not; name a new or empty folder"),
+    ("train.py", ["--out", "{user}", "--force"], "holds files that no command of this project wrote (e.g. thesis.txt)"),
     ("eval.py", ["--limit", "0"], "--limit 0: must be >= 1"),
     ("eval.py", ["--samples", "0"], "--samples 0: must be >= 1"),
     ("eval.py", ["--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
     ("eval.py", ["--temperature", "nan"], "--temperature nan: must be a number >= 0"),
     ("eval.py", ["--top-p", "0"], "--top-p 0.0: must be in (0, 1]"),
     ("eval.py", ["--out", "{file}/eval"], "cannot create --out {file}/eval: {file} is a file"),
-    ("eval.py", ["--out", "{user}"], "holds files eval.py did not write"),
+    ("eval.py", ["--out", "{user}"], "holds files that no command of this project wrote"),
+    ("eval.py", ["--out", "{user}", "--force"], "holds files that no command of this project wrote"),
+    ("eval.py", ["--out", "{link}", "--force"], "--out {link} is a symbolic link (to {user}), which is never followed"),
+    ("eval.py", ["--data", "{empty}"], "--data {empty} holds no problems; pass a jsonl file with one problem a line"),
+    ("eval.py", ["--data", "{long}"], "--data {long}: its longest prompt has"),
+    ("eval.py", ["--data", "{long}"], "tokens and tiny takes 512 positions (max_position_embeddings in its config.json): "
+                                      "no room for a completion"),
+    ("eval.py", ["--max-new-tokens", "10000000"], "--max-new-tokens 10000000: the longest prompt of --data arith has"),
+    ("eval.py", ["--max-new-tokens", "10000000"], "tiny takes 512 positions (max_position_embeddings in its "
+                                                  "config.json); pass --max-new-tokens"),
+    ("eval.py", ["--data", "arith", "--limit", "1000000000"], "--limit 1000000000: arith's test split gives at most "
+                                                              "125125 distinct problems (arith.MAX_SIZE); pass --limit 125125 or less"),
+    ("eval.py", ["--data", "arith", "--split", "dev"], "--split dev: arith has the splits train and test"),
+    ("rollout.py", ["--model", "tiny", "--prompt", "hi", "--max-new-tokens", "10000000"],
+     "--max-new-tokens 10000000: the prompt is"),
+    ("rollout.py", ["--model", "tiny", "--prompt", "hi", "--max-new-tokens", "10000000"],
+     "tiny takes 512 positions (max_position_embeddings in its config.json); pass --max-new-tokens"),
+    ("rollout.py", ["--model", "tiny", "--prompt", "{words}"], "tokens in the chat template and tiny takes 512 positions"),
     ("eval.py", ["--adapter", "{tmp}/none"], "no adapter folder at"),
     ("eval.py", ["--adapter", "{other_adapter}"], "{other_adapter}: adapter layers.0.mlp.down_proj is for a (64, 96) "
                                                   "weight, but this model's is (128, 384); was the adapter trained on another model?"),
@@ -102,14 +129,17 @@ BEFORE_LOAD = [
     ("nvfp4.py", ["--model", "{tiny}", "--out", "."], "--out . is the current folder"),
     ("nvfp4.py", ["--model", "{tiny}", "--out", "{tiny}"], "is the source"),
     ("nvfp4.py", ["--model", "{tiny}", "--out", "{tmp}"], "is a folder holding the source"),
-    ("nvfp4.py", ["--model", "{tiny}", "--out", "{user}"], "holds files nvfp4.py did not write"),
+    ("nvfp4.py", ["--model", "{tiny}", "--out", "{user}"], "holds files that no command of this project wrote"),
+    ("nvfp4.py", ["--model", "{tiny}", "--out", "{user}", "--force"], "holds files that no command of this project wrote"),
+    ("nvfp4.py", ["--model", "{tiny}", "--out", "{link}", "--force"], "--out {link} is a symbolic link"),
     ("nvfp4.py", ["--model", "{tmp}/none", "--out", "{tmp}/q"], "no model folder at"),
     ("adapters.py", ["--merge", "--model", "{tiny}", "--adapter", "{other_adapter}", "--out", "{tmp}/m"],
      "was the adapter trained on another model?"),
     ("adapters.py", ["--merge", "--model", "{tiny}", "--adapter", "{tmp}/none", "--out", "{tmp}/m"], "no adapter folder at"),
-    ("tiny.py", ["--out", "{user}"], "holds files tiny.py did not write"),
-    ("tiny.py", ["--out", hub.ALIASES["tiny"]], "holds files tiny.py did not write"),  # the bundled model
-    ("arith.py", ["--num", "0"], "--num 0: must be >= 1"),
+    ("tiny.py", ["--out", "{user}"], "holds files that no command of this project wrote"),
+    ("tiny.py", ["--out", hub.ALIASES["tiny"]], "lies in the project's own tree"),  # the bundled model, without --force
+    ("arith.py", ["--num", "0"], "--num 0: must be in [1, 1125203]"),
+    ("arith.py", ["--split", "test", "--num", "1000000000"], "--num 1000000000: must be in [1, 125125]"),
 ]
 # Files that are named when loading them fails (the model loads, so these come after the value checks).
 AT_LOAD = [
@@ -168,21 +198,11 @@ def test_arith_help_prints_help(capsys):
     assert e.value.code == 0 and out.startswith("usage:") and "--split {train,test}" in out
 
 
-def tree(folder):
-    """{relative path: sha256} of every file under folder."""
-    out = {}
-    for d, _, names in os.walk(folder):
-        for n in names:
-            p = os.path.join(d, n)
-            out[os.path.relpath(p, folder)] = hashlib.sha256(open(p, "rb").read()).hexdigest()
-    return out
-
-
 @pytest.mark.parametrize("prog", ["nvfp4.py", "adapters.py"])
-def test_out_is_refused_with_every_file_intact(prog, hf_folder, tmp_path, monkeypatch, capsys):
-    """`--out .`, `--out SOURCE` (also with --force) and a folder holding a user's file: refused, every file as
-    it was; --force replaces the user's folder; an earlier output of the same command is replaced without it;
-    a failure midway leaves the earlier output and no temporary folder."""
+def test_out_is_refused_with_every_file_intact(prog, hf_folder, tmp_path, monkeypatch, capsys, tree):
+    """`--out .`, `--out SOURCE` and a folder holding a user's file: refused, also with --force, every file
+    as it was; another command's output is replaced with --force only; an earlier output of the same
+    command is replaced without it; a failure midway leaves the earlier output and no temporary folder."""
     _, src = hf_folder("qwen2")
     adapter = None
     if prog == "adapters.py":
@@ -212,11 +232,17 @@ def test_out_is_refused_with_every_file_intact(prog, hf_folder, tmp_path, monkey
     dst = tmp_path / "out"
     dst.mkdir()
     (dst / "notes.txt").write_text("mine")
-    with pytest.raises(SystemExit, match="holds files .* did not write .*notes.txt.*--force"):
+    for extra in ([], ["--force"]):
+        with pytest.raises(SystemExit, match=r"holds files that no command of this project wrote \(e.g. notes.txt\)"):
+            CLIS[prog](argv(str(dst), *extra))
+        assert tree(dst) == {"notes.txt": hashlib.sha256(b"mine").hexdigest()}
+    os.remove(dst / "notes.txt")
+    (dst / "summary.json").write_text("{}")
+    hub.mark(str(dst), "eval.py", files=["summary.json"])  # another command's output: only with --force
+    with pytest.raises(SystemExit, match=f"was written by eval.py, not {prog}; name a new folder, or pass --force"):
         CLIS[prog](argv(str(dst)))
-    assert tree(dst) == {"notes.txt": hashlib.sha256(b"mine").hexdigest()}
     CLIS[prog](argv(str(dst), "--force"))
-    assert "notes.txt" not in os.listdir(dst) and "config.json" in os.listdir(dst)
+    assert "summary.json" not in os.listdir(dst) and "config.json" in os.listdir(dst)
     assert hub.written_by(str(dst)) == prog
     assert os.stat(dst).st_mode & 0o055 == 0o055 & ~os.umask(os.umask(0))  # group/others may read it
     first = tree(dst)
@@ -235,6 +261,42 @@ def test_out_is_refused_with_every_file_intact(prog, hf_folder, tmp_path, monkey
     leftovers = [n for n in os.listdir(tmp_path) if n.startswith(".")]
     assert not leftovers, leftovers
     assert {d: tree(d) for d in before} == before
+
+
+def test_force_deletes_nothing_it_was_not_asked_to(files, tmp_path, monkeypatch, capsys, tree):
+    """The cases --force used to delete: the home folder (train.py), a link to it (nvfp4.py: .ssh and all),
+    a folder holding the run's own data file (eval.py, train.py), the project's engine sources (nvfp4.py).
+    Each is refused with its reason before anything loads, every file of each as it was."""
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(M.Transformer, "from_pretrained", no_load)
+    monkeypatch.setattr(nvfp4, "_write_quantized", no_load)
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "id_ed25519").write_text("secret")
+    monkeypatch.setenv("HOME", str(home))
+    work = tmp_path / "work"
+    (work / "data").mkdir(parents=True)
+    monkeypatch.chdir(work)
+    (work / "link").symlink_to(home)
+    for split in ("train", "test"):
+        (work / "data" / f"{split}.jsonl").write_text("".join(json.dumps({"question": f"What is {i} + 2?", "answer":
+                                                                          str(i + 2)}) + "\n" for i in range(4)))
+    engine = os.path.join(hub.HERE, "engine")
+    before = {d: tree(d) for d in (str(home), str(work), engine)}
+    for prog, argv, fragment in (
+            ("train.py", ["--out", str(home), "--force"], f"--out {home} is the home folder"),
+            ("nvfp4.py", ["--model", files["tiny"], "--out", "link", "--force"], f"--out link is a symbolic link (to {home})"),
+            ("eval.py", ["--data", "data/test.jsonl", "--out", "data", "--force"],
+             "--out data is a folder holding the source data/test.jsonl"),
+            ("train.py", ["--data", "data/train.jsonl", "--eval-data", "data/test.jsonl", "--out", "data", "--force"],
+             "--out data holds files that no command of this project wrote (e.g. test.jsonl)"),
+            ("nvfp4.py", ["--model", files["tiny"], "--out", engine, "--force"],
+             f"--out {engine} is a folder of the project's own files")):
+        message = run_cli(prog, argv, files, capsys)
+        assert fragment in message and "\n" not in message, message
+        assert {d: tree(d) for d in before} == before
 
 
 def test_default_outputs_do_not_overwrite_others():

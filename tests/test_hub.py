@@ -1,8 +1,14 @@
 """hub.py: where models come from (resolvers, the offline message, stop tokens, devices) and the rules
-for output folders (never the current folder, the project or the source; a non-empty folder only when
-this command wrote it, or with --force; permissions of an ordinary mkdir; no temporary folder left)."""
+for output folders (never the current folder, the project, the home folder, an input or a link; a
+non-empty folder only when a command of the project wrote it and it holds nothing else: unasked when
+this command wrote it, with --force when another did or it lies in the project's tree; permissions of
+an ordinary mkdir; no temporary folder left, not even by a killed process)."""
 import os
+import signal
 import stat
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -46,7 +52,9 @@ def test_stop_on_bad_input_stops_on_bad_input_only():
     its traceback."""
     for error, line in ((FileNotFoundError("no file x"), "p.py: no file x"), (ValueError("bad x"), "p.py: bad x"),
                         (KeyError("no key x"), "p.py: no key x"), (hub.DownloadError("offline"), "p.py: offline"),
-                        (PermissionError(13, "Permission denied", "/x"), "p.py: /x: Permission denied")):
+                        (PermissionError(13, "Permission denied", "/x"), "p.py: /x: Permission denied"),
+                        (OSError("Cannot call rmtree on a symbolic link"), "p.py: Cannot call rmtree on a symbolic link"),
+                        (OSError(28, "No space left on device"), "p.py: No space left on device")):
         with pytest.raises(SystemExit) as e:
             with hub.stop_on_bad_input("p.py"):
                 raise error
@@ -104,16 +112,111 @@ def test_check_out_rules(tmp_path, monkeypatch):
     user = tmp_path / "user"
     user.mkdir()
     (user / "thesis.txt").write_text("years of work")
-    with pytest.raises(hub.OutputError, match="holds files nvfp4.py did not write .*thesis.txt.*--force"):
-        hub.check_out(str(user), "nvfp4.py")
-    assert hub.check_out(str(user), "nvfp4.py", force=True) == "forced"
+    for force in (False, True):  # a folder of someone else's files is never replaced
+        with pytest.raises(hub.OutputError, match="holds files that no command of this project wrote "
+                                                  r"\(e.g. thesis.txt\), which are never deleted, --force or not"):
+            hub.check_out(str(user), "nvfp4.py", force=force)
     assert hub.check_out(str(tmp_path / "new"), "nvfp4.py") == "new"
     ours = tmp_path / "ours"
     ours.mkdir()
     hub.mark(str(ours), "eval.py")
     assert hub.check_out(str(ours), "eval.py") == "ours"
-    with pytest.raises(hub.OutputError, match="was written by eval.py, not nvfp4.py"):
+    with pytest.raises(hub.OutputError, match="was written by eval.py, not nvfp4.py; .* pass --force to replace it"):
         hub.check_out(str(ours), "nvfp4.py")
+    assert hub.check_out(str(ours), "nvfp4.py", force=True) == "forced"
+
+
+def test_force_replaces_only_the_files_the_marker_lists(tmp_path):
+    """A MARKER that lists its files makes every other file in the folder foreign: the folder is then
+    replaced by no one, its own command or --force; a listed name's .tmp twin (a write_json cut short) and
+    the MARKER are the project's. A MARKER without a list (a command writing as it goes) covers all."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "summary.json").write_text("{}")
+    (out / "summary.json.tmp").write_text("{")
+    hub.mark(str(out), "eval.py", files=["summary.json", "samples.jsonl"])
+    assert hub.foreign_entries(str(out)) == []
+    assert hub.check_out(str(out), "eval.py") == "ours" and hub.check_out(str(out), "nvfp4.py", force=True) == "forced"
+    (out / "notes.txt").write_text("mine")
+    assert hub.foreign_entries(str(out)) == ["notes.txt"]
+    for prog, force in (("eval.py", False), ("eval.py", True), ("nvfp4.py", True)):
+        with pytest.raises(hub.OutputError, match=r"holds files that no command of this project wrote \(e.g. notes.txt\)"):
+            hub.check_out(str(out), prog, force=force)
+    hub.mark(str(out), "eval.py", run="again")  # marking again keeps the list of files
+    assert hub.read_marker(str(out)) == {"written_by": "eval.py", "files": ["samples.jsonl", "summary.json"],
+                                         "run": "again"}
+    unlisted = tmp_path / "unlisted"
+    unlisted.mkdir()
+    (unlisted / "anything").write_text("x")
+    hub.mark(str(unlisted), "train.py")
+    assert hub.foreign_entries(str(unlisted)) == [] and hub.check_out(str(unlisted), "train.py") == "ours"
+
+
+def test_force_never_touches_home_links_inputs_or_the_project(tmp_path, monkeypatch, tree):
+    """What --force never reaches: the home folder (and a folder holding it), a symbolic link (to the home
+    folder, to nowhere, a loop; the link and its target stay as they were), a folder holding an input
+    (a data file), the project's sources. In the project's tree an earlier output is replaced only with
+    --force, even by the command that wrote it."""
+    home = tmp_path / "users" / "me"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "id_ed25519").write_text("secret")
+    monkeypatch.setenv("HOME", str(home))
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    (work / "to-home").symlink_to(home)
+    (work / "nowhere").symlink_to(work / "missing")
+    (work / "loop1").symlink_to(work / "loop2")
+    (work / "loop2").symlink_to(work / "loop1")
+    runs = work / "runs"
+    runs.mkdir()
+    (runs / "test.jsonl").write_text('{"question": "1+1", "answer": "2"}\n')
+    hub.mark(str(runs), "eval.py")
+    before = tree(tmp_path)
+    for out, sources, message in (
+            (str(home), [], "is the home folder"), (str(home.parent), [], "a folder holding the home folder"),
+            ("to-home", [], r"is a symbolic link \(to .*users/me\), which is never followed or replaced"),
+            ("to-home/", [], "is a symbolic link"), ("to-home/.", [], "is a symbolic link"),
+            ("nowhere", [], "is a symbolic link"),
+            ("nowhere/sub", [], "nowhere is a broken symbolic link"), ("loop1/sub", [], "loop1 is a broken symbolic link"),
+            ("runs", [str(runs / "test.jsonl")], "is a folder holding the source .*test.jsonl"),
+            (os.path.join(hub.HERE, "engine"), [], r"is a folder of the project's own files \(e.g. "),
+            (os.path.join(hub.HERE, "tests"), [], "is a folder of the project's own files"),
+            (os.path.join(hub.HERE, "assets"), [], "is a folder of the project's own files")):
+        for prog in ("nvfp4.py", "eval.py", "train.py"):
+            with pytest.raises(hub.OutputError, match=message):
+                hub.check_out(out, prog, sources=sources, force=True)
+    assert tree(tmp_path) == before
+    bundled = hub.ALIASES["tiny"]  # marked as tiny.py's, in the project's tree: tiny.py replaces it only when forced
+    assert hub.written_by(bundled) == "tiny.py" and hub.foreign_entries(bundled) == []
+    with pytest.raises(hub.OutputError, match="lies in the project's own tree .* pass --force to replace it"):
+        hub.check_out(bundled, "tiny.py")
+    assert hub.check_out(bundled, "tiny.py", force=True) == "forced"
+    assert hub.check_out(os.path.join(hub.HERE, "engine", "new-output"), "nvfp4.py") == "new"  # (nothing made)
+    assert not os.path.exists(os.path.join(hub.HERE, "engine", "new-output"))
+
+
+def test_force_help_says_what_it_does():
+    for words in ("another command of this project wrote", hub.MARKER, "nothing but the files that marker lists",
+                  "never a folder holding any other file", "symbolic link", "home folder", "current folder",
+                  "inputs (model, adapter, data)", "project's own files"):
+        assert words in hub.FORCE_HELP, words
+
+
+def test_claim_folder_empties_only_what_the_project_wrote(tmp_path):
+    """claim_folder (eval.py's, train.py's): a new folder is made and marked with the names the command
+    writes; an earlier output of the command is emptied first (no stale file beside the new ones); a
+    folder with a file the command did not list is refused and keeps it."""
+    out = tmp_path / "e"
+    assert hub.claim_folder(str(out), "eval.py", files=["summary.json"]) == "new"
+    assert os.listdir(out) == [hub.MARKER] and hub.read_marker(str(out))["files"] == ["summary.json"]
+    (out / "summary.json").write_text("{}")
+    assert hub.claim_folder(str(out), "eval.py", files=["summary.json"]) == "ours"
+    assert os.listdir(out) == [hub.MARKER]
+    (out / "thesis.txt").write_text("mine")
+    with pytest.raises(hub.OutputError, match="thesis.txt"):
+        hub.claim_folder(str(out), "eval.py", force=True, files=["summary.json"])
+    assert sorted(os.listdir(out)) == [hub.MARKER, "thesis.txt"]
 
 
 def test_new_folder_is_atomic_readable_and_leaves_nothing_on_failure(tmp_path):
@@ -133,6 +236,78 @@ def test_new_folder_is_atomic_readable_and_leaves_nothing_on_failure(tmp_path):
     with hub.new_folder(str(out), "nvfp4.py") as tmp:  # an earlier output of the same command is replaced
         (open(os.path.join(tmp, "b"), "w")).write("3")
     assert sorted(os.listdir(out)) == [hub.MARKER, "b"] and sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_new_folder_lists_its_files_and_makes_them_readable(tmp_path):
+    """The MARKER lists what the command wrote (so that a file added later is foreign), and files written
+    0600 (as safetensors writes them) get an ordinary open's permissions, as the folder an ordinary mkdir's."""
+    out = tmp_path / "out"
+    with hub.new_folder(str(out), "nvfp4.py") as tmp:
+        os.close(os.open(os.path.join(tmp, "model.safetensors"), os.O_WRONLY | os.O_CREAT, 0o600))
+        os.mkdir(os.path.join(tmp, "sub"), 0o700)
+    mask = os.umask(0)
+    os.umask(mask)
+    assert hub.read_marker(str(out)) == {"written_by": "nvfp4.py", "files": ["model.safetensors", "sub"]}
+    assert stat.S_IMODE(os.stat(out / "model.safetensors").st_mode) == 0o666 & ~mask
+    assert stat.S_IMODE(os.stat(out / "sub").st_mode) == 0o777 & ~mask
+    assert sorted(os.listdir(out)) == [hub.MARKER, "model.safetensors", "sub"]  # (no lock left behind)
+
+
+def child(code, **kw):
+    """A Python process running `code` with the project importable."""
+    env = {**os.environ, "PYTHONPATH": hub.HERE + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env, text=True, **kw)
+
+
+def test_a_killed_writers_temporary_folders_go_with_the_next_run_a_live_writers_stay(tmp_path):
+    """SIGKILL runs no cleanup: a process killed inside new_folder leaves its temporary folder beside --out.
+    The next new_folder for that --out removes it, since the lock in it is free (its process is dead); it
+    leaves the temporary folder of a process still writing (its lock is held), and a look-alike folder
+    that holds no lock (nothing proves it a new_folder's). A process killed between moving the earlier
+    output aside and renaming the new one into place leaves no --out: the earlier output is moved back."""
+    out = str(tmp_path / "out")
+    killed = child(f"""
+        import os, signal, hub
+        with hub.new_folder({out!r}, "nvfp4.py") as tmp:
+            open(os.path.join(tmp, "part"), "w").write("half")
+            os.kill(os.getpid(), signal.SIGKILL)
+        """)
+    assert killed.wait() == -signal.SIGKILL
+    dead = [n for n in os.listdir(tmp_path) if n.startswith(".out.tmp-")]
+    assert len(dead) == 1 and hub.LOCK in os.listdir(tmp_path / dead[0])
+    (tmp_path / ".out.tmp-lookalike").mkdir()
+    live = child(f"""
+        import sys, hub
+        with hub.new_folder({out!r}, "nvfp4.py") as tmp:
+            open(tmp + "/b", "w").write("live")
+            print(tmp, flush=True)
+            sys.stdin.readline()
+        """, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        live_tmp = live.stdout.readline().strip()
+        with hub.new_folder(out, "nvfp4.py") as tmp:
+            open(os.path.join(tmp, "a"), "w").write("ours")
+        assert sorted(os.listdir(tmp_path)) == sorted([".out.tmp-lookalike", os.path.basename(live_tmp), "out"])
+    finally:
+        live.communicate("go\n")
+    assert live.returncode == 0 and open(os.path.join(out, "b")).read() == "live"  # it finished, unharmed
+    assert sorted(os.listdir(tmp_path)) == [".out.tmp-lookalike", "out"]
+    between = child(f"""
+        import os, signal, hub
+        real = os.replace
+        def replace(src, dst):  # the earlier output goes aside into .out.old-*/x; die before the new one moves in
+            if os.path.basename(src).startswith(".out.tmp-"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            real(src, dst)
+        os.replace = replace
+        with hub.new_folder({out!r}, "nvfp4.py") as tmp:
+            open(os.path.join(tmp, "c"), "w").write("newer")
+        """)
+    assert between.wait() == -signal.SIGKILL
+    assert not os.path.exists(out) and any(n.startswith(".out.old-") for n in os.listdir(tmp_path))
+    assert sorted(os.path.basename(p)[:9] for p in hub.remove_stale(out)) == [".out.old-", ".out.tmp-"]
+    assert sorted(os.listdir(tmp_path)) == [".out.tmp-lookalike", "out"] and os.listdir(out) != []
+    assert open(os.path.join(out, "b")).read() == "live"  # the earlier output, back in its place
 
 
 def test_check_tensor_refuses_non_finite_wrong_shape_and_dtype():

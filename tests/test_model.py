@@ -64,8 +64,8 @@ def test_nvfp4_model_close_to_bf16_model(hf_folder, tmp_path):
 
 
 def test_swap_linears_and_random_model():
-    with pytest.raises(ValueError, match="unknown Qwen2.5 size '72b'; use one of 0.5b, 1.5b"):
-        M.qwen25_config("72b")
+    with pytest.raises(ValueError, match="unknown Qwen2.5 size '110b'; use one of 0.5b, 1.5b"):
+        M.qwen25_config("110b")
     cfg = M.qwen25_config("0.5b")
     assert (cfg.hidden_size, cfg.num_layers, cfg.num_kv_heads, cfg.tie_word_embeddings) == (896, 24, 2, True)
     small = M.Config({**cfg.raw, "num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 64,

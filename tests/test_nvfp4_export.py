@@ -1,8 +1,15 @@
 """The exported checkpoint as vLLM needs it: the linears vLLM fuses into one (q/k/v into qkv_proj,
 gate/up into gate_up_proj) share one global scale, computed over the group's amax, exactly as
-llm-compressor writes them; the in-memory fused layers (QuantLinear.concat) keep per-row scales."""
+llm-compressor writes them; the in-memory fused layers (QuantLinear.concat) keep per-row scales.
+And how the export writes: a full disk is one line with the output as it was, on a real small filesystem
+too; a SIGKILLed export's temporary folder goes with the next run; every file readable by others."""
 import glob
+import json
 import os
+import signal
+import stat
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -144,3 +151,80 @@ def test_same_checkpoint_as_llmcompressor(hf_folder, tmp_path):
     gs = lambda n: b[f"model.layers.0.{n}.weight_global_scale"].item()  # noqa: E731
     assert gs("self_attn.q_proj") == gs("self_attn.k_proj") == gs("self_attn.v_proj")
     assert gs("mlp.gate_proj") == gs("mlp.up_proj")
+
+
+def leftovers(folder):
+    return sorted(n for n in os.listdir(folder) if n.startswith("."))
+
+
+def test_a_full_disk_is_one_line_and_leaves_the_output_as_it_was(hf_folder, tmp_path, monkeypatch):
+    """safetensors reports a full disk as its own SafetensorError, not an OSError: the export stops with one
+    line naming the file and what is kept, no traceback, and no temporary folder; an earlier output stays
+    exactly as it was."""
+    from safetensors import SafetensorError
+
+    _, src = hf_folder("qwen2")
+    dst = tmp_path / "q"
+
+    def full(*a, **k):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    with monkeypatch.context() as m:
+        m.setattr(nvfp4, "save_file", full)
+        with pytest.raises(SystemExit) as e:
+            nvfp4.main(["--model", src, "--out", str(dst)])
+    assert e.value.code == (f"nvfp4.py: cannot write {dst}/model.safetensors: Error while serializing: I/O error: No "
+                            f"space left on device (os error 28); nothing was written to {dst} (the partial output "
+                            f"is removed)")
+    assert os.listdir(tmp_path) == [os.path.basename(src)]
+    nvfp4.main(["--model", src, "--out", str(dst)])
+    before = {n: (dst / n).read_bytes() for n in os.listdir(dst)}
+    monkeypatch.setattr(nvfp4, "save_file", full)
+    with pytest.raises(SystemExit, match=f"; {dst} is as it was"):
+        nvfp4.main(["--model", src, "--out", str(dst)])
+    assert {n: (dst / n).read_bytes() for n in os.listdir(dst)} == before and leftovers(tmp_path) == []
+
+
+def test_a_full_disk_on_a_real_small_filesystem(small_fs):
+    """The bundled tiny model (3.5 MB, 0.9 MB in NVFP4) quantized onto a 256 KiB filesystem: the write that
+    does not fit fails in safetensors; one line, and nothing left on the filesystem."""
+    code = f"""
+import json, os
+import nvfp4
+out = os.path.join({small_fs.folder!r}, "q")
+try:
+    nvfp4.main(["--model", "tiny", "--out", out])
+    message = None
+except SystemExit as e:
+    message = str(e.code)
+print(json.dumps({{"message": message, "left": os.listdir({small_fs.folder!r})}}))
+"""
+    p = small_fs("256k", code)
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert res["message"].startswith(f"nvfp4.py: cannot write {small_fs.folder}/q/model.safetensors: "), res
+    assert res["message"].endswith(f"; nothing was written to {small_fs.folder}/q (the partial output is removed)")
+    assert res["left"] == []
+
+
+def test_a_killed_exports_temporary_folder_goes_with_the_next_run(hf_folder, tmp_path):
+    """SIGKILL midway (no cleanup runs) leaves .q.tmp-* beside --out; the next export into --out removes it,
+    proved dead by its lock, and writes --out; every file of it readable as an ordinary file is."""
+    _, src = hf_folder("qwen2")
+    dst = str(tmp_path / "q")
+    code = f"""
+import os, signal, nvfp4
+nvfp4.save_file = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+nvfp4.main(["--model", {src!r}, "--out", {dst!r}])
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    assert [n[:7] for n in leftovers(tmp_path)] == [".q.tmp-"] and not os.path.exists(dst)
+    nvfp4.main(["--model", src, "--out", dst])
+    assert leftovers(tmp_path) == [] and "model.safetensors" in os.listdir(dst)
+    mask = os.umask(0)
+    os.umask(mask)
+    assert {n: stat.S_IMODE(os.stat(os.path.join(dst, n)).st_mode) for n in os.listdir(dst)} == \
+        {n: 0o666 & ~mask for n in os.listdir(dst)}

@@ -159,15 +159,16 @@ def fake_measure(out, held, samples, device):
 
 
 def test_a_failure_midway_leaves_the_folder_as_it_was(tmp_path, monkeypatch):
-    """`--out FOLDER --force` over a checkpoint tiny.py did not mark (the bundled one is such): the new one is
-    built beside it and renamed into place at the end, so a failure after training leaves the old files,
-    and no temporary folder; on success the folder is replaced, and its recorded command keeps --force,
-    which that folder needs."""
+    """`--out FOLDER --force` over a checkpoint that only --force lets tiny.py replace (here one another
+    command wrote; the bundled one lies in the project's tree): the new one is built beside it and renamed
+    into place at the end, so a failure after training leaves the old files, and no temporary folder; on
+    success the folder is replaced, and its recorded command keeps --force, which that folder needs."""
     import hub
 
     out = tmp_path / "bundled"
     out.mkdir()
     (out / "model.safetensors").write_text("the old weights")
+    hub.mark(str(out), "lora.py", files=["model.safetensors"])
 
     def broken(*a, **k):
         raise RuntimeError("boom")
@@ -175,7 +176,7 @@ def test_a_failure_midway_leaves_the_folder_as_it_was(tmp_path, monkeypatch):
     monkeypatch.setattr(tiny, "measure", broken)  # (after the training and the save)
     with pytest.raises(RuntimeError, match="boom"):
         tiny.main(tiny.parse_args(SMALL + ["--out", str(out), "--force"]))
-    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [hub.MARKER, "model.safetensors"]
     assert (out / "model.safetensors").read_text() == "the old weights"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bundled"]
     monkeypatch.setattr(tiny, "measure", fake_measure)
@@ -189,14 +190,14 @@ def test_a_failure_midway_leaves_the_folder_as_it_was(tmp_path, monkeypatch):
 
 
 def test_the_bundled_command_runs_as_written():
-    """The command assets/tiny records passes tiny.py's checks on the bundled folder as it is (which
-    tiny.py did not mark): it keeps --force."""
+    """The command assets/tiny records passes tiny.py's checks on the bundled folder as it is (marked as
+    tiny.py's, in the project's tree: replaced only with --force): it keeps --force."""
     import hub
 
     meta = json.loads((TINY / "training.json").read_text())
     assert f"    {meta['command']}\n" in (TINY / "README.md").read_text()
     argv = meta["command"].split()[2:]
-    assert argv[:2] == ["--out", "assets/tiny"] and hub.written_by(str(TINY)) is None
+    assert argv[:2] == ["--out", "assets/tiny"] and hub.written_by(str(TINY)) == "tiny.py"
     args = tiny.parse_args(argv)
     assert hub.check_out(str(ROOT / args.out), "tiny.py", force=args.force) == "forced"
 

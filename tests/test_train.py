@@ -21,7 +21,6 @@ import fp4_gemm
 import grpo
 import hub
 import lora
-import memory
 import model as M
 import recipes
 import runs
@@ -196,38 +195,6 @@ def test_nonfinite_loss_skips_the_update(monkeypatch, tmp_path):
     assert row["skipped"] is True
     bs = [B for A, B in adapters.read_adapter(os.path.join(out, "adapter"))[1].values()]
     assert all(torch.equal(B, torch.zeros_like(B)) for B in bs)  # nothing moved
-
-
-def test_checkpointing_auto_turns_it_off_only_where_the_activations_fit(monkeypatch):
-    """--checkpointing auto on a GPU: off when the largest micro-batch's activations fit, with 10% and
-    1 GiB to spare, in the free memory within the per-process cap; on otherwise; on and off as told."""
-    cfg = M.qwen25_config("7b")
-    need = memory.activation_bytes(cfg, 8 * 1280, torch.bfloat16)  # 7B, 8 sequences of 256 + 1024 tokens
-    assert 0.95 < need / (8 * 1280) / 4.28e6 < 1.1  # measured on the H200: 4.28 MB a token (results/bench_h200.md)
-    # the same 8 sequences as the samples of one prompt: its 256 tokens once, the whole sequences in attention
-    packed = memory.micro_batch_bytes(cfg, torch.bfloat16, [[1] * 256] * 8, [1024] * 8)
-    assert packed == memory.activation_bytes(cfg, 256 + 8 * 1024, torch.bfloat16, attended=7 * 256)
-    assert 0.95 < packed / 38.3e9 < 1.1  # the peak measured for such a micro-batch (results/bench_h200.md)
-    # two prompts of 3 and 2 samples, completions of different lengths: padding counts in attention only
-    p, q = [1, 2, 3], [4, 5]
-    assert memory.micro_batch_bytes(cfg, torch.bfloat16, [p, p, p, q, q], [4, 6, 1, 5, 2]) == memory.activation_bytes(
-        cfg, 3 + 4 + 6 + 1 + 2 + 5 + 2, torch.bfloat16, attended=5 * 9 - 23)
-    gpu = type("FakeModel", (), {"device": torch.device("cuda"), "config": cfg, "dtype": torch.bfloat16})()
-    used, total = 16e9, 150e9
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: used)
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: used + 4e9)  # 4 GB idle in torch's cache
-    for free, cap, on in ((100e9, 150e9, False),  # plenty
-                          (1.1 * need + 2**30 - 4e9 - 1e8, 150e9, True),  # free + idle just too small
-                          (100e9, used + 1.1 * need + 2**30 + 1e8, False),  # a cap just large enough
-                          (100e9, used + 1.1 * need + 2**30 - 1e8, True)):  # a cap just too small
-        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (free, total))
-        monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d: cap / total)
-        assert memory.checkpointing_on("auto", gpu, need) is on, (free, cap)
-        for told in ("on", "off"):
-            assert memory.checkpointing_on(told, gpu, need) is (told == "on")
-    cpu = type("FakeModel", (), {"device": torch.device("cpu"), "config": cfg, "dtype": torch.float32})()
-    assert memory.checkpointing_on("auto", cpu, need) is True
-
 
 
 def fixed_batch(prompts, ro, rewards, mask_truncated=True):

@@ -1,10 +1,13 @@
-"""engine/bench_rollout.py's CPU parts: the early-stop benchmark times the same rollouts both ways, and the
-command line refuses what it cannot run (also through `python rollout.py --bench`)."""
+"""engine/bench_rollout.py's CPU parts: the early-stop benchmark times the same rollouts both ways, the
+command line refuses what it cannot run (also through `python rollout.py --bench`), the random NVFP4 model
+is drawn in NVFP4 at the intended scale, and each row is set against its floor."""
 import pytest
 import torch
 
+import fp4_gemm
 import lora
 import model as M
+import nvfp4
 import rollout
 from engine import bench_rollout
 
@@ -41,3 +44,79 @@ def test_bench_rejects_a_mean_length_below_one_token(main):
 def test_bench_without_a_gpu_says_so():
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         rollout.main(["--bench"])
+
+
+def test_an_nvfp4_linear_drawn_directly_has_the_intended_scale():
+    """draw_nvfp4_: a QuantLinear's codes and block scales drawn from a pool of quantized N(0, std) blocks.
+    Its dequantized weight is N(0, std) quantized: the std within NVFP4's error (a relative MSE of ~0.009, so
+    at most 0.5% in the std) and 5 standard errors of sampling (the pool's 65536 values and the layer's
+    16384), the mean within 5 standard errors of 0; its codes as frequent as in nvfp4.quantize of a fresh
+    N(0, std) matrix, within 5 standard errors of each frequency; and it computes x @ W^T of that weight."""
+    for std in (0.02, 0.5):
+        gen = torch.Generator().manual_seed(0)
+        pool = bench_rollout.nvfp4_pool(std, 4096, "cpu", gen)
+        layer = fp4_gemm.QuantLinear(256, 64, bias=False, dtype=torch.float32)
+        bench_rollout.draw_nvfp4_(layer, pool, gen)
+        w = layer.dequantized_weight()  # (64, 256)
+        n = w.numel()
+        se = (1 / (2 * 65536) + 1 / (2 * n)) ** 0.5
+        assert abs(w.std().item() / std - 1) < 0.005 + 5 * se, (std, w.std().item())
+        assert abs(w.mean().item()) < 5 * std / n ** 0.5
+        assert torch.equal(layer.weight_global_scale, pool[2])
+        fresh = nvfp4.quantize(torch.randn(64, 256, generator=gen) * std)
+        for q in (fresh.packed, layer.weight_packed):
+            assert q.shape == (64, 128)
+        p = torch.bincount(nvfp4.unpack(fresh.packed).flatten(), minlength=16).double() / n
+        f = torch.bincount(nvfp4.unpack(layer.weight_packed).flatten(), minlength=16).double() / n
+        assert ((f - p).abs() <= 5 * (2 * p * (1 - p) / n).sqrt() + 1 / n).all(), (p, f)
+        x = torch.randn(3, 256, generator=gen)
+        assert torch.allclose(layer(x), x @ w.t(), rtol=1e-4, atol=1e-5 * std)
+
+
+def test_random_model_builds_nvfp4_without_a_bf16_weight(monkeypatch):
+    """random_model(..., "nvfp4"): every decoder linear an NVFP4 QuantLinear drawn from one pool (nvfp4.quantize
+    runs once, on the pool: no layer is ever made in bf16 to be quantized), embeddings and lm_head N(0, std),
+    norms 1; it runs. bf16: Transformer.from_random."""
+    cfg = M.Config({**M.qwen25_config("0.5b").raw, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+                    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 97, "tie_word_embeddings": False})
+    calls = []
+    quantize = nvfp4.quantize
+    monkeypatch.setattr(nvfp4, "quantize", lambda w, *a, **k: calls.append(tuple(w.shape)) or quantize(w, *a, **k))
+    m = bench_rollout.random_model(cfg, "nvfp4", "cpu", pool_blocks=4096)
+    assert calls == [(64, 1024)]
+    linears = [x for x in m.modules() if isinstance(x, fp4_gemm.QuantLinear)]
+    assert len(linears) == 14 and m.dtype == torch.bfloat16
+    assert abs(m.lm_head.weight.float().std().item() / 0.02 - 1) < 0.05 and m.lm_head.weight is not m.embed_tokens.weight
+    assert all(torch.equal(x.weight, torch.ones_like(x.weight)) for x in m.modules() if isinstance(x, M.RMSNorm))
+    assert not torch.equal(linears[0].weight_packed, linears[7].weight_packed)  # (layers differ)
+    assert torch.isfinite(m(torch.randint(0, 97, (1, 5))).float()).all()
+    b = bench_rollout.random_model(cfg, "bf16", "cpu")
+    assert not any(isinstance(x, fp4_gemm.QuantLinear) for x in b.modules())
+    with pytest.raises(ValueError, match="nvfp4 or bf16"):
+        bench_rollout.random_model(cfg, "fp8", "cpu")
+
+
+def test_a_rows_floor_and_the_table():
+    """floor_ms: weights and KV cache read once at the copy bandwidth. The 7B NVFP4 + LoRA r32 step reads 4.92
+    GB of weights and 56 KiB a token of cache; at prompt 256 + 512 new tokens (a mean column of 512) and 3.03
+    TB/s: 1.63 / 1.70 / 2.24 ms at batch 1 / 8 / 64 (the floors DESIGN.md quotes). The table shows each row's
+    floor and share; JSON keeps every row, a nan as null."""
+    floors = [bench_rollout.floor_ms(4.92e9, 57344, b * 512, 3.03) for b in (1, 8, 64)]
+    assert [round(f, 2) for f in floors] == [1.63, 1.70, 2.24]
+    rows = [dict(size="7b", quant=q, batch=1, tok_s=t, ms_step=ms, floor_ms=1.63, share=1.63 / ms)
+            for q, t, ms in (("nvfp4", 364, 2.73), ("bf16", 161, 6.22))]
+    rows.append(dict(rows[0], size="72b", batch=1, tok_s=50.0, ms_step=20.0, floor_ms=14.0, share=0.7))
+    table = bench_rollout._table(rows).splitlines()
+    assert "floor ms | share" in table[0]
+    assert "| Qwen2.5-7B shape | 1 | 364 | 2.73 | 1.63 | 60% | 161 | 6.22 | 1.63 | 26% | 2.26x |" in table
+    assert "| Qwen2.5-72B shape | 1 | 50 | 20.00 | 14.00 | 70% | - | - | - | - | - |" in table
+
+
+def test_json_rows_are_written_whole(tmp_path):
+    import json
+
+    from engine.bench_gemm import write_json
+    path = tmp_path / "rows.json"
+    write_json(str(path), dict(rows=[dict(a=1.5, b=float("nan"), c=torch.tensor([1, 2]))], name="x"))
+    assert json.loads(path.read_text()) == dict(rows=[dict(a=1.5, b=None, c=[1, 2])], name="x")
+    assert [p.name for p in tmp_path.iterdir()] == ["rows.json"]  # (no temporary file left)

@@ -72,7 +72,7 @@ def test_timed_steps_compile_nothing_new(monkeypatch, marks):
         r = bench_step.run_mode(a, "bf16", torch.device("cpu"), tiny_shape())
     finally:
         torch._dynamo.reset()  # leave no compiled Block.forward to the tests that count graphs
-    assert (r["compiles"] == 0) == marks and r["grad_norm"] > 0
+    assert (r["recompiles"] == 0) == marks and r["grad_norm"] > 0
 
 
 def test_steps_below_one_are_refused(capsys):
@@ -82,3 +82,114 @@ def test_steps_below_one_are_refused(capsys):
         bench_step.parse_args(["--steps", "0"])
     assert "--steps 0: at least 1 timed step" in capsys.readouterr().err
     assert bench_step.parse_args(["--steps", "1"]).steps == 1
+
+
+def test_a_plan_of_several_rollout_calls_samples_the_same_and_releases_the_cache(monkeypatch):
+    """A plan whose cache holds one group at a time (rollout_rows = G) and not beside the update: the rollout
+    runs one call a prompt, each keyed as in one call of all (the same tokens as the plan that fits all rows
+    at once), the cache is released before every update, and the update trains on the calls' groups."""
+    import dataclasses
+
+    from engine.bench_rollout import random_model
+
+    cfg = tiny_shape()
+    a = bench_step.parse_args("--prompts 3 --group-size 4 --prompt-len 5 --new-tokens 12 --early-stop 6 --steps 1 "
+                              "--lora-rank 4 --micro-batch 4".split())
+    whole = bench_step.step_plan(a, cfg, "nvfp4", None)
+    split = dataclasses.replace(whole, rollout_rows=4, rollout_calls=3, keep_cache=False)
+    model = random_model(cfg, "nvfp4", "cpu", pool_blocks=4096)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 96, (5,), generator=gen).tolist() for _ in range(3)]
+    stops = bench_step.stop_ids(a, 96)
+    g1, c1 = bench_step.rollout_groups(model, prompts, a, whole, stops, step=1)
+    g3, c3 = bench_step.rollout_groups(model, prompts, a, split, stops, step=1)
+    assert (len(c1), len(c3)) == (1, 3) and [g["item"] for g in g3] == [0, 1, 2]
+    for x, y in zip(g1, g3):
+        rx, ry = x["rollout"], y["rollout"]
+        for i, j in zip(x["rows"], y["rows"]):
+            n = int(rx.lengths[i])
+            assert n == int(ry.lengths[j]) and torch.equal(rx.tokens[i, :n], ry.tokens[j, :n])
+    assert len({int(n) for r in c3 for n in r.lengths}) > 2  # (rows of different lengths: stops drawn alike)
+    released = []
+    monkeypatch.setattr(bench_step.rollout, "release", lambda m: released.append(m))
+    r = bench_step.run_mode(a, "nvfp4", torch.device("cpu"), cfg, plan=split)
+    assert (r["rollout_calls"], r["rollout_rows"], r["keep_cache"]) == (3, 4, False) and r["grad_norm"] > 0
+    assert len(released) == 1 + a.steps + 1  # before each step's update, and at the end
+
+
+def test_a_plan_that_does_not_fit_builds_nothing():
+    """The plan's problems are the result: no model is built, and the report says so beside the plan."""
+    cfg = tiny_shape()
+    a = bench_step.parse_args("--prompts 2 --group-size 2 --prompt-len 5 --new-tokens 6 --steps 1 --lora-rank 4".split())
+    plan = bench_step.step_plan(a, cfg, "nvfp4", cap=1e5, headroom=0)
+    assert not plan.fits
+    r = bench_step.run_mode(a, "nvfp4", torch.device("cpu"), cfg, plan=plan)
+    assert r["fits"] is False and "build_s" not in r
+    text = bench_step.report(a, "header", {"nvfp4": r})
+    assert "DOES NOT FIT" in text and "does not fit (the plan above says what to lower)" in text and "| base |" not in text
+
+
+def test_the_report_and_its_recompile_line():
+    """Each mode's lines: the first step beside the steady one, the peaks beside the plan's, the decode's
+    share of its floor; graphs compiled in a timed step on a line of their own, loudly; the table's columns."""
+    a = bench_step.parse_args("--decode-batch1".split())
+    step = dict(rollout_s=3.0, update_s=2.0, other_s=0.1, step_s=5.1, rollout_tok_s=1e4, update_tok_s=4e4, mean_len=1024,
+                capture_s=0.0, decode_s=2.5, decode_floor_s=1.5, decode_share=0.6, mismatch_kl=1e-3)
+    r = dict(step, mode="nvfp4", fits=True, plan=dict(rollout_rows=32, rollout_calls=2, keep_cache=False, micro_batch=8,
+                                                      logp_chunk=1024, peak_rollout_gb=70.0, peak_update_gb=72.0),
+             plan_table="memory plan", build_s=2.0, built_gb=50.0, checkpointing="on", peak_gb=66.0,
+             peak_rollout_gb=60.0, peak_update_gb=66.0, recompiles=0, batch1_tok_s=50.0, batch1_ms_step=20.0,
+             batch1_floor_ms=14.0, batch1_share=0.7,
+             first_step=dict(step, step_s=60.0, capture_s=1.5, graphs_compiled=3))
+    lines = "\n".join(bench_step.mode_lines(r))
+    assert "first step 60.0 s" in lines and "3 graphs compiled" in lines and "steady 5.1 s (rollout 3.0 + update 2.0" in lines
+    assert "(the plan: 65.2, 67.1)" in lines and "floor of 1.50 s (60%)" in lines and "floor 14.00 ms (70%)" in lines
+    assert "recompiles in the timed steps: 0" in lines and "RECOMPILED" not in lines
+    assert "RECOMPILED: 2 graphs compiled in the timed steps" in "\n".join(bench_step.mode_lines(dict(r, recompiles=2)))
+    table = bench_step.report(a, "header", {"nvfp4": r})
+    assert "| first step s | decode share | recompiles | mismatch_kl |" in table and "| 60.0 | 60% | 0 | 1.00e-03 |" in table
+
+
+def test_the_decode_floor_of_a_rollout():
+    """decode_floor_s: a forward reads the weights and, for its live rows, the new tokens so far and the
+    prompt of the fewest groups they fill (read once a group). Two segments by hand: 4 rows (2 groups of 2) for
+    3 forwards, then 2 rows for 2."""
+    weights, kv, bw = 1e9, 1000, 1.0  # 1 TB/s: a byte a picosecond
+    by_hand = sum((weights + kv * (groups * 5 + rows * t)) / 1e12 for rows, groups, t in
+                  ((4, 2, 1), (4, 2, 2), (4, 2, 3), (2, 1, 4), (2, 1, 5)))
+    got = bench_step.decode_floor_s([(4, 3, 0.1), (2, 2, 0.1)], weights, kv, 2, 5, bw)
+    assert abs(got - by_hand) < 1e-12 * by_hand
+
+
+def test_the_sizes_and_the_cap():
+    """--size 72b is Qwen2.5-72B-Instruct's config.json (the alias qwen2.5-72b names its repository); the
+    command line refuses a size, a cap or a step it cannot run, before any model is built."""
+    import hub
+
+    c = M.qwen25_config("72b")
+    assert (c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size,
+            c.tie_word_embeddings, c.rope_theta, c.rms_norm_eps) == (8192, 29568, 80, 64, 8, 128, 152064, False, 1e6, 1e-6)
+    assert hub.ALIASES["qwen2.5-72b"] == "Qwen/Qwen2.5-72B-Instruct"
+    assert bench_step.parse_args(["--size", "72b", "--mem-cap-gb", "80"]).mem_cap_gb == 80
+    for bad in (["--size", "110b"], ["--mem-cap-gb", "0"], ["--micro-batch", "0"], ["--group-size", "1"]):
+        with pytest.raises(SystemExit):
+            bench_step.parse_args(bad)
+
+
+def test_running_out_of_memory_is_a_result(monkeypatch):
+    """A mode that runs out of GPU memory (here the update, made to raise as torch does) is reported with its
+    phase and torch's message beside the plan, and leaves the table to the modes that ran."""
+    cfg = tiny_shape()
+    a = bench_step.parse_args("--prompts 2 --group-size 2 --prompt-len 5 --new-tokens 4 --steps 1 --lora-rank 4".split())
+    plan = bench_step.step_plan(a, cfg, "nvfp4", None)
+
+    def update(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 GiB.")
+
+    monkeypatch.setattr(bench_step.train, "update", update)
+    with pytest.raises(torch.OutOfMemoryError) as e:
+        bench_step.run_mode(a, "nvfp4", torch.device("cpu"), cfg, plan=plan)
+    r = bench_step.out_of_memory("nvfp4", plan, e.value, cuda=False)
+    (line,) = bench_step.mode_lines(r)
+    assert "OUT OF MEMORY in the update" in line and "Tried to allocate 3.00 GiB" in line
+    assert "| base |" not in bench_step.report(a, "header", {"nvfp4": r})
