@@ -50,6 +50,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 import tasks
 
 @dataclass(frozen=True)
@@ -304,6 +306,25 @@ def load_dataset(name_or_path, split="test", limit=None, data_dir=None):
     if path.is_file():
         return read_jsonl(path, limit=limit)
     raise FileNotFoundError(f"{name!r} is neither a dataset name ({', '.join(DATASETS)}) nor a file")
+
+
+
+class PromptStream:
+    """Training problems in a seeded random order, epoch after epoch; `pos` is all the state."""
+
+    def __init__(self, items, seed, pos=0):
+        self.items, self.seed, self.pos = items, seed, pos
+        self.epoch, self.order = None, None  # the current epoch's permutation, derived from seed + epoch
+
+    def take(self, n):
+        out = []
+        for _ in range(n):
+            epoch, i = divmod(self.pos, len(self.items))
+            if epoch != self.epoch:
+                self.epoch, self.order = epoch, np.random.default_rng(self.seed + epoch).permutation(len(self.items))
+            out.append(self.items[self.order[i]])
+            self.pos += 1
+        return out
 
 
 def main(argv=None):

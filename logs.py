@@ -14,6 +14,8 @@ import os
 
 import torch
 
+from recipes import RECIPES
+
 PLOTS = [("reward", "reward"), ("accuracy", "rollout accuracy"), ("heldout_accuracy", "held-out accuracy"),
          ("entropy", "entropy"), ("response_length", "response length"), ("sigma", "AQN sigma")]
 
@@ -22,10 +24,6 @@ def append_jsonl(path, rows):
     with open(path, "a") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
 
-
-def read_jsonl(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f]
 
 
 def line(m):
@@ -38,6 +36,44 @@ def line(m):
             f"max {f('mismatch_ratio_max', '%.2f')} | filtered {m['filtered_groups']} | sigma {m['sigma']:.1e} "
             f"| t {m['time_rollout']:.1f}+{m['time_update']:.1f}s {m['rollout_tokens_per_s']:.0f} tok/s "
             f"| mem {m['peak_memory_gb']:.2f}GB" + (f" | held-out {m['heldout_accuracy']:.3f}" if "heldout_accuracy" in m else ""))
+
+
+def header(args, model, n_norms, n_train, n_items, world, device, out):
+    """The start-up lines: the recipe and what changed from it, the model and its weights, the step's shape
+    and the tokens it samples, the ranks, the folder."""
+    weight_gb = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())) / 1e9
+    kernels = f"; fp4 matmuls: {'Triton kernels' if device.type == 'cuda' else 'torch dequantize + matmul'}" \
+        if args.quant == "nvfp4" else ""
+    changed = [k for k, v in RECIPES[args.recipe].items()
+               if v.value is not None and getattr(args, k, v.value) != v.value]  # (None: derived from another)
+    print(f"recipe {args.recipe} ({args.algo}){'; changed: ' + ', '.join(changed) if changed else ''}")
+    print(f"model {args.model} ({model.config}) base={args.quant} on {device} ({weight_gb:.3f} GB of weights{kernels}), "
+          f"LoRA r={args.lora_rank}{f' + {n_norms} norms' if n_norms else ''}: {n_train / 1e6:.2f}M trainable parameters")
+    aqn_text = (f"AQN on: {args.aqn_stages} stages, sigma {args.sigma_start:g} -> {args.sigma_end:g}"
+                if args.aqn else "AQN off")
+    print(f"{args.steps} steps x {args.prompts} prompts x G={args.group_size} = {args.prompts * args.group_size} "
+          f"completions a step, <= {args.max_new_tokens} new tokens each (<= {args.prompts * args.group_size * args.max_new_tokens:,} "
+          f"sampled tokens a round); lr {args.lr:g} ({args.warmup_steps} warm-up steps); reward {args.reward}, prompt "
+          f"{args.prompt or 'as the reward was trained'}; {aqn_text}; data {args.data} ({n_items[0]} train, {n_items[1]} held-out)")
+    if world.size > 1:
+        print(f"data-parallel: {world.size} ranks ({'NCCL' if device.type == 'cuda' else 'gloo'}), each sampling and "
+              f"training about {args.prompts / world.size:g} of the {args.prompts} prompts a round (ddp.py)")
+    print(f"outputs in {out}")
+
+
+def step_metrics(step, sigma, stage, rounds, filtered, groups, lr):
+    """A step's sampling metrics: AQN's sigma and stage (None when off), dynamic sampling's rounds and filtered
+    groups, the kept groups' mean reward, its parts, the rollout accuracy and the completions' lengths."""
+    m = {"step": step, "sigma": sigma, "aqn_stage": stage, "rounds": rounds, "filtered_groups": filtered,
+         "groups": len(groups), "lr": lr}
+    if groups:
+        mean = lambda f: torch.stack([getattr(g, f) for g in groups]).mean().item()
+        correct = torch.stack([g.correct for g in groups])
+        lengths = torch.cat([g.lengths for g in groups])
+        m.update(reward=mean("reward"), reward_correct=mean("correct"), reward_format=mean("format"),
+                 reward_overlong=mean("overlong"), accuracy=(correct > 0).float().mean().item(),
+                 response_length=lengths.mean().item(), response_length_max=lengths.max().item())
+    return m
 
 
 def plot(rows, path, baseline=None):

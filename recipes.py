@@ -66,6 +66,7 @@ GSM8K = {
     "model": V("qwen2.5-7b", "script: MODEL_PATH, an NVFP4 Qwen2.5-7B-Instruct"),
     "quant": V("nvfp4", "script: the NVFP4 model (4.5 bits a weight)"),
     "data": V("gsm8k", "script: DATA_NAME gsm8k (its 7,473 training problems)"),
+    "eval_data": V(None, "the test split of --data"),
     "steps": V(500, "ours: 500 x 16 prompts is about the script's one epoch (module docstring)"),
     "prompts": V(16, "ours: the script's 1 prompt x 2 samples a step is the official recipe"),
     "group_size": V(8, "ours: DAPO samples 16, the script 2"),
@@ -94,8 +95,10 @@ GSM8K = {
     "mask_truncated": V(True, "script: mask_truncated_completions"),
     "ratio": V("trainer", "script: TRL with num_iterations 1 takes the trainer's own detached logprobs"),
     "reward": V("paper", "1bf4803's GSM8K reward, the code of the paper's time (tasks.py: the variants)"),
-    "aqn_stages": V(10, "script: num_stages; stage 0 noise-free"),
-    "sigma_start": V(1e-2, "script: sigma_start"),
+    "aqn_stages": V(10, "script: num_stages; stage 0 noise-free; steps counted from 0 here, from 1 by the "
+                        "official trainer, so each boundary comes one step later here (aqn.py)"),
+    "sigma_start": V(1e-2, "script: sigma_start; on the two norms of every block, fresh each rollout and taken out "
+                           "after (the official hook would add to every RMSNorm, the final one too: aqn.py)"),
     "sigma_end": V(1e-4, "script: sigma_end (the paper's text says 5e-4)"),
     "eval_every": V(50, "ours"),
     "eval_limit": V(500, "ours: the first 500 of GSM8K's 1,319 test problems"),
@@ -126,6 +129,7 @@ OFFICIAL = {
 BIGMATH = {
     **GSM8K,
     "data": V("bigmath", "the bf16 scripts: DATA_NAME bigmath (open-r1/Big-Math-RL-Verified-Processed)"),
+    "eval_data": V("math500", "ours: BigMath has no test split; MATH500 is among the paper's benchmarks"),
     "max_new_tokens": V(4096, "script: max_completion_length for bigmath"),
     "reward": V("official", "qerl.py's BigMath reward: math-verify + the 0.2 format reward (tasks.py)"),
     "eval_max_new_tokens": V(4096, "ours: the training budget"),
@@ -372,7 +376,7 @@ def with_recipe_help(parser, argv):
 
 def saved_args(run_dir):
     """The settings a run was started with (its args.json), for --resume; options added to train.py since then
-    take their defaults, and renamed ones their new names."""
+    take their defaults (the run's recipe's, where it sets them), and renamed ones their new names."""
     path = os.path.join(run_dir, "args.json")
     if not os.path.exists(path):
         sys.exit(f"train.py: cannot resume {run_dir}: no args.json in it")
@@ -384,7 +388,7 @@ def saved_args(run_dir):
         if old in stored and new not in stored:
             stored[new] = convert(stored.pop(old))
     defaults = vars(build_parser().parse_args([]))
-    return argparse.Namespace(**{**defaults, **stored, "resume": run_dir})
+    return fill(argparse.Namespace(**{**defaults, **stored, "resume": run_dir}))
 
 
 def resume_args(argv, run_dir):

@@ -27,6 +27,7 @@ hash is kept too: a resume refuses training data that changed under it.
 """
 import fcntl
 import hashlib
+import json
 import os
 import pickle
 import random
@@ -259,9 +260,46 @@ def load_checkpoint(out, run_id=None):
             print(f"train.py: {problems[-1]}; resuming from the checkpoint before it, {path}", file=sys.stderr)
         return path, state
     if not problems:
-        raise FileNotFoundError(f"no complete checkpoint in {out}")
+        raise FileNotFoundError(f"--resume {out}: no checkpoint/ folder in it (still running, or stopped before its "
+                                f"first checkpoint): nothing to resume; start it over with --out {out} --force "
+                                f"(which deletes what it holds), or name a new --out")
     raise ValueError("cannot resume: " + "; ".join(problems) + ". Start the run again without --resume "
                      "(in a new --out, or with --force)")
+
+
+def resume_point(out, run_id, steps, data):
+    """(path, state) of the checkpoint a --resume continues from, after checking that nothing runs in the
+    folder, that the run is not finished at `steps`, and that its --data file is the one it trained on."""
+    if is_live(out):
+        raise ValueError(f"{out} is in use by a run that is still going; wait for it to end or stop it")
+    path, state = load_checkpoint(out, run_id)
+    finished = summary_steps(out) == state["step"]  # (its own summary, not an extended run's shorter one)
+    if state["step"] >= steps and (finished or state["step"] > steps):
+        raise ValueError(f"--resume {out}: the run has done {state['step']} steps; pass a larger --steps with "
+                         f"--resume to extend it")
+    if state.get("data_sha256", data_hash(data)) != data_hash(data):
+        raise ValueError(f"--data {data} changed since the run started (its content hash differs): resume with "
+                         f"the file as it was, or start a new run")
+    return path, state
+
+
+def restore(checkpoint, model, optimizer, scheduler, out, main=True):
+    """A resumed run's state from its checkpoint (path, state): the adapter and trained norms into `model`,
+    the optimizer's and scheduler's state, every RNG; its logs cut back to the checkpoint's step (rank 0,
+    `main`, alone writes). → (step, data position, baseline (accuracy, strict), the metrics rows so far)."""
+    path, state = checkpoint
+    adapters.load_adapter(model, os.path.join(path, "adapter"))
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    set_rng_state(state["rng"], state["json_rng"])
+    rows, metrics = [], os.path.join(out, "metrics.jsonl")
+    if main:
+        truncate_jsonl(metrics, state["step"])
+        truncate_jsonl(os.path.join(out, "samples.jsonl"), state["samples_lines"])
+        with open(metrics) as f:
+            rows = [json.loads(line) for line in f]
+    baseline = state["baseline_accuracy"], state.get("baseline_accuracy_strict")
+    return state["step"], state["data_pos"], baseline, rows
 
 
 def truncate_jsonl(path, keep):

@@ -41,6 +41,7 @@ model (tests/test_aqn.py); the held-out evaluation applies the trained adapter a
 Every step logs the sampler-trainer mismatch (mismatch_kl, mismatch_ratio_max, tis_clip_frac; grpo.py).
 """
 import contextlib
+import math
 import os
 import sys
 import time
@@ -48,7 +49,6 @@ import uuid
 import warnings
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -65,8 +65,8 @@ import recipes
 import rollout
 import runs
 import tasks
-from adapters import load_adapter, load_policy, save_adapter
-from data import load_dataset
+from adapters import load_policy, save_adapter
+from data import PromptStream, load_dataset
 from eval import heldout
 from hub import resolve_device, stop_on_bad_input, stop_token_ids
 from logprobs import completion_logprobs, micro_batches
@@ -268,8 +268,11 @@ def update(cfg, model, optimizer, params, batch, world=ddp.World(), noise=None):
     return out
 
 
-class Diverged(RuntimeError):
-    """The trainable parameters left the finite numbers: the run stops, its last checkpoint kept."""
+def compile_backend(device, no_compile):
+    """The torch.compile backend for the update's blocks (model.compile_blocks): inductor on a GPU unless
+    --no-compile, which fuses the elementwise work between the GEMMs; none on the CPU, where the tiny run and
+    the tests stay eager. The rollout never runs compiled blocks."""
+    return "inductor" if device.type == "cuda" and not no_compile else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,31 +286,13 @@ def lr_lambda(warmup_steps, schedule_steps, min_lr_ratio):
         if step < warmup_steps:
             return (step + 1) / warmup_steps
         t = (step - warmup_steps) / max(1, schedule_steps - warmup_steps)
-        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + np.cos(np.pi * min(t, 1.0)))
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
     return f
 
 
 # ---------------------------------------------------------------------------------------------
 # The run
 # ---------------------------------------------------------------------------------------------
-
-class PromptStream:
-    """Training problems in a seeded random order, epoch after epoch; `pos` is all the state."""
-
-    def __init__(self, items, seed, pos=0):
-        self.items, self.seed, self.pos = items, seed, pos
-        self.epoch, self.order = None, None  # the current epoch's permutation, derived from seed + epoch
-
-    def take(self, n):
-        out = []
-        for _ in range(n):
-            epoch, i = divmod(self.pos, len(self.items))
-            if epoch != self.epoch:
-                self.epoch, self.order = epoch, np.random.default_rng(self.seed + epoch).permutation(len(self.items))
-            out.append(self.items[self.order[i]])
-            self.pos += 1
-        return out
-
 
 class PromptEncoder:
     """A problem's prompt tokens as the task asks it (tasks.get_task: the chat template, in the prompt style
@@ -322,28 +307,6 @@ class PromptEncoder:
             style = recipes.prompt_style(self.args, item["kind"])
             self.ids[q] = tasks.get_task(item["kind"], style).prompt_ids(self.tokenizer, q)
         return self.ids[q]
-
-
-def describe(args, model, n_norms, n_train, n_items, world, device, out):
-    """The start-up lines: the recipe and what changed from it, the model and its weights, the step's shape
-    and the tokens it samples, the ranks, the folder."""
-    weight_gb = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())) / 1e9
-    kernels = f"; fp4 matmuls: {'Triton kernels' if device.type == 'cuda' else 'torch dequantize + matmul'}" \
-        if args.quant == "nvfp4" else ""
-    changed = [k for k, v in recipes.RECIPES[args.recipe].items() if getattr(args, k, v.value) != v.value]
-    print(f"recipe {args.recipe} ({args.algo}){'; changed: ' + ', '.join(changed) if changed else ''}")
-    print(f"model {args.model} ({model.config}) base={args.quant} on {device} ({weight_gb:.3f} GB of weights{kernels}), "
-          f"LoRA r={args.lora_rank}{f' + {n_norms} norms' if n_norms else ''}: {n_train / 1e6:.2f}M trainable parameters")
-    aqn_text = (f"AQN on: {args.aqn_stages} stages, sigma {args.sigma_start:g} -> {args.sigma_end:g}"
-                if args.aqn else "AQN off")
-    print(f"{args.steps} steps x {args.prompts} prompts x G={args.group_size} = {args.prompts * args.group_size} "
-          f"completions a step, <= {args.max_new_tokens} new tokens each (<= {args.prompts * args.group_size * args.max_new_tokens:,} "
-          f"sampled tokens a round); lr {args.lr:g} ({args.warmup_steps} warm-up steps); reward {args.reward}, prompt "
-          f"{args.prompt or 'as the reward was trained'}; {aqn_text}; data {args.data} ({n_items[0]} train, {n_items[1]} held-out)")
-    if world.size > 1:
-        print(f"data-parallel: {world.size} ranks ({'NCCL' if device.type == 'cuda' else 'gloo'}), each sampling and "
-              f"training about {args.prompts / world.size:g} of the {args.prompts} prompts a round (ddp.py)")
-    print(f"outputs in {out}")
 
 
 def main(argv=None):
@@ -371,7 +334,8 @@ def main(argv=None):
         for name, items in zip((args.data, args.eval_data), data):
             if not items:
                 raise ValueError(f"{name} holds no problems")
-        checkpoint = resumable(args, out) if args.resume else None
+        checkpoint = runs.resume_point(out, getattr(args, "run_id", None), args.steps, args.data) \
+            if args.resume else None
         lock = runs.open_run(out, getattr(args, "run_id", None), args.resume, [model_dir, args.data, args.eval_data],
                              args.force) if world.main else None
     try:
@@ -379,22 +343,6 @@ def main(argv=None):
     finally:
         if lock is not None:
             lock.release()
-
-
-def resumable(args, out):
-    """(path, state) of the checkpoint a --resume continues from, after checking that nothing runs in the
-    folder, that the run is not finished, and that its data file is the one it trained on."""
-    if runs.is_live(out):
-        raise ValueError(f"{out} is in use by a run that is still going; wait for it to end or stop it")
-    path, state = runs.load_checkpoint(out, getattr(args, "run_id", None))
-    finished = runs.summary_steps(out) == state["step"]  # (its own summary, not an extended run's shorter one)
-    if state["step"] >= args.steps and (finished or state["step"] > args.steps):
-        raise ValueError(f"--resume {out}: the run has done {state['step']} steps; pass a larger --steps with "
-                         f"--resume to extend it")
-    if state.get("data_sha256", runs.data_hash(args.data)) != runs.data_hash(args.data):
-        raise ValueError(f"--data {args.data} changed since the run started (its content hash differs): resume "
-                         f"with the file as it was, or start a new run")
-    return path, state
 
 
 def run(args, model_dir, data, checkpoint, out, world, device):
@@ -405,7 +353,7 @@ def run(args, model_dir, data, checkpoint, out, world, device):
     params = lora.apply_lora(model, rank=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout,
                              targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()))
     norms = lora.train_norms(model) if args.train_norms else []  # (float32, updated in place: the rollout reads them)
-    model.compile_blocks = "inductor" if device.type == "cuda" and not args.no_compile else None
+    model.compile_blocks = compile_backend(device, args.no_compile)
     # Weight decay on LoRA only: decaying a norm weight pulls it towards 0, not towards its base value (the
     # HF Trainer of the official code exempts every norm weight by name).
     optimizer = torch.optim.AdamW([{"params": params}, {"params": norms, "weight_decay": 0.0}], lr=args.lr,
@@ -424,22 +372,12 @@ def run(args, model_dir, data, checkpoint, out, world, device):
     step, stream, baseline, rows = 0, PromptStream(train_items, args.seed), None, []
     metrics_path, samples_path = os.path.join(out, "metrics.jsonl"), os.path.join(out, "samples.jsonl")
     if checkpoint:
-        path, state = checkpoint
         with stop_on_bad_input("train.py"):
-            load_adapter(model, os.path.join(path, "adapter"))
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        runs.set_rng_state(state["rng"], state["json_rng"])
-        step, stream.pos = state["step"], state["data_pos"]
-        baseline = state["baseline_accuracy"], state.get("baseline_accuracy_strict")
-        if world.main:
-            runs.truncate_jsonl(metrics_path, step)
-            runs.truncate_jsonl(samples_path, state["samples_lines"])
-            rows = logs.read_jsonl(metrics_path)
+            step, stream.pos, baseline, rows = runs.restore(checkpoint, model, optimizer, scheduler, out, world.main)
         changed = "; changed: " + ", ".join(f"--{k.replace('_', '-')} {a} -> {b}" for k, (a, b) in args.changed.items()) \
             if args.changed else ""
-        print(f"resumed {out} at step {step} from {path}, keeping its settings (args.json: recipe {args.recipe}, "
-              f"model {args.model}, {args.quant}, {args.algo}, data {args.data}, seed {args.seed}){changed}")
+        print(f"resumed {out} at step {step} from {checkpoint[0]}, keeping its settings (args.json: recipe "
+              f"{args.recipe}, model {args.model}, {args.quant}, {args.algo}, data {args.data}, seed {args.seed}){changed}")
     elif world.main:
         for p in (metrics_path, samples_path):
             open(p, "w").close()
@@ -449,7 +387,7 @@ def run(args, model_dir, data, checkpoint, out, world, device):
     wall = runs.WallTime(out, args.resume) if world.main else None
     tracker = logs.Tracker(args.log if world.main else None, out, getattr(args, "run_id", None), vars(args))
     ddp.same_everywhere(params, world)  # (the same seed and checkpoint: the same parameters on every rank)
-    describe(args, model, len(norms), sum(p.numel() for p in params), (len(train_items), len(eval_items)), world,
+    logs.header(args, model, len(norms), sum(p.numel() for p in params), (len(train_items), len(eval_items)), world,
              device, out)
     if baseline is None:
         baseline = evaluate()
@@ -478,7 +416,7 @@ def run(args, model_dir, data, checkpoint, out, world, device):
             tqdm.write(f"step {step}: dynamic sampling fell short: {len(kept)}/{args.prompts} informative groups after "
                        f"{rounds} rounds; training on those")
         t_rollout = time.time() - t0
-        m = step_metrics(step, sigma, schedule.stage(step) if args.aqn else None, rounds, filtered, kept,
+        m = logs.step_metrics(step, sigma, schedule.stage(step) if args.aqn else None, rounds, filtered, kept,
                          scheduler.get_last_lr()[0])
         if kept:
             advantages = grpo.group_advantages(torch.stack([g.reward for g in kept]), std=args.adv_std)  # 4. advantages
@@ -545,21 +483,6 @@ def run(args, model_dir, data, checkpoint, out, world, device):
     print(f"wrote {out}/metrics.jsonl, summary.json, samples.jsonl, curves.png, adapter/")
     ddp.shutdown(world)
     return summary
-
-
-def step_metrics(step, sigma, stage, rounds, filtered, groups, lr):
-    """A step's sampling metrics: AQN's sigma and stage (None when off), dynamic sampling's rounds and filtered
-    groups, the kept groups' mean reward, its parts, the rollout accuracy and the completions' lengths."""
-    m = {"step": step, "sigma": sigma, "aqn_stage": stage, "rounds": rounds, "filtered_groups": filtered,
-         "groups": len(groups), "lr": lr}
-    if groups:
-        mean = lambda f: torch.stack([getattr(g, f) for g in groups]).mean().item()
-        correct = torch.stack([g.correct for g in groups])
-        lengths = torch.cat([g.lengths for g in groups])
-        m.update(reward=mean("reward"), reward_correct=mean("correct"), reward_format=mean("format"),
-                 reward_overlong=mean("overlong"), accuracy=(correct > 0).float().mean().item(),
-                 response_length=lengths.mean().item(), response_length_max=lengths.max().item())
-    return m
 
 
 def check_finite(params, step, skipped, out):

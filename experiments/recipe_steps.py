@@ -56,7 +56,7 @@ def main(argv=None):
     with torch.no_grad():
         for prm in params:  # nonzero B too, so that the adapter really changes the logits
             prm.normal_(0, 1e-3)
-    model.compile_blocks = "inductor" if dev.type == "cuda" else None  # (train.py's choice)
+    model.compile_blocks = train.compile_backend(dev, False)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=gen).tolist() for _ in range(args.prompts)]
     # A random model picks nearly uniform tokens: vocab / L stop ids end a row after ~L tokens on average,

@@ -148,6 +148,6 @@ def test_a_new_run_never_inherits_a_checkpoint(run, monkeypatch):
     # --force: the earlier run is deleted before the new one starts, which has a run id of its own.
     with pytest.raises(AssertionError, match="a model was loaded"):
         train.main(ARGS + ["--out", run, "--force"])
-    assert os.listdir(run) == [".qerl-output.json"]
+    assert sorted(os.listdir(run)) == [runs.LOCK, ".qerl-output.json"]  # (the lock file stays; its lock went with the run)
     with open(os.path.join(run, ".qerl-output.json")) as f:
         assert json.load(f)["run_id"] not in (saved["run_id"], "another-run")
