@@ -580,17 +580,18 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
 
     @classmethod
-    def from_linear(cls, linear, name="weight"):
+    def from_linear(cls, linear, name="weight", global_scale=None):
         m = cls(linear.in_features, linear.out_features, linear.bias is not None,
                 device=linear.weight.device, dtype=linear.weight.dtype)
-        m.set_weight(linear.weight.data, name)
+        m.set_weight(linear.weight.data, name, global_scale)
         if linear.bias is not None:
             m.bias.data.copy_(linear.bias.data)
         return m
 
-    def set_weight(self, w, name="weight"):
-        """Quantize the (N, K) float weight w into this layer's buffers, in place."""
-        q = nvfp4.quantize(w, name=name)
+    def set_weight(self, w, name="weight", global_scale=None):
+        """Quantize the (N, K) float weight w into this layer's buffers, in place, with its own global
+        scale or the one given (its fused group's: quantize_in_groups)."""
+        q = nvfp4.quantize(w, name=name, global_scale=global_scale)
         self.weight_packed.copy_(q.packed)
         self.weight_scale.copy_(q.scale)
         self.weight_global_scale.copy_(q.global_scale)  # broadcasts into a per-row (N,) buffer too
@@ -638,9 +639,33 @@ def is_decoder_linear(name, module):
     return isinstance(module, nn.Linear) and name.split(".")[-1] in nvfp4.LINEAR_NAMES
 
 
+def quantize_in_groups(layers, weight_of):
+    """Quantize into each QuantLinear of `layers` ({key: QuantLinear}, keys as checkpoint keys or
+    module names + '.weight') the float weight that weight_of(key) returns, one fused group at a time
+    (nvfp4.fused_groups: q/k/v, gate/up of one layer), every member with the group's one global scale.
+    That is the export's rule (nvfp4.save_quantized), so a model quantized here holds the codes and
+    scales of the exported checkpoint bit for bit; only one group's float weights are alive at once.
+    A layer whose group partners are not in `layers` keeps its own global scale."""
+    for group in nvfp4.fused_groups(layers):
+        weights = [weight_of(key) for key in group]
+        shared = nvfp4.shared_global_scale(weights)
+        for key, w in zip(group, weights):
+            layers[key].set_weight(w, key, shared)
+
+
 def quantize_model(model, filter=is_decoder_linear):
-    """Swap every decoder nn.Linear of `model` (a model.Transformer) for a QuantLinear, in place."""
-    return model.swap_linears(lambda name, m: QuantLinear.from_linear(m, name=name + ".weight"), filter)
+    """Swap every decoder nn.Linear of `model` (a model.Transformer) for a QuantLinear, in place, with
+    the fused groups' shared global scales (quantize_in_groups): the model the exported checkpoint
+    loads as. A group is the members `filter` picks: a linear picked without its partners, or under a
+    name outside nvfp4.FUSED_GROUPS, gets its own global scale."""
+    linears = {name + ".weight": m for name, m in model.named_modules() if name and filter(name, m)}
+    quantized = {key: QuantLinear(m.in_features, m.out_features, m.bias is not None, device=m.weight.device,
+                                  dtype=m.weight.dtype) for key, m in linears.items()}
+    quantize_in_groups(quantized, lambda key: linears[key].weight.data)
+    for key, q in quantized.items():
+        if linears[key].bias is not None:
+            q.bias.data.copy_(linears[key].bias.data)
+    return model.swap_linears(lambda name, m: quantized[name + ".weight"], lambda name, m: name + ".weight" in quantized)
 
 
 if __name__ == "__main__":  # the benchmark lives in the engine room; same flags, same table

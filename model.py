@@ -22,8 +22,10 @@ first built on the meta device so no memory is spent on a random init.
 Every linear is an ordinary module, and `swap_linears(make, filter)` replaces them: fp4_gemm
 swaps in NVFP4 QuantLinears, lora.py wraps them with adapters. A folder whose config.json carries a
 compressed-tensors NVFP4 quantization_config (written by `python nvfp4.py`) loads straight into
-QuantLinears, as does `from_pretrained(..., quantize=True)` on a bf16 folder, one weight at a time, so
-a 32B model is never whole in bf16.
+QuantLinears, as does `from_pretrained(..., quantize=True)` on a bf16 folder, one fused group of weights
+at a time (q/k/v, gate/up of a layer: they share one global scale, as the export writes them), so a
+32B model is never whole in bf16 and the two routes give the same model bit for bit. Every tensor read
+is checked finite and of the shape (and, for NVFP4's tensors, the dtype) the model expects.
 
 The forward takes optional positions (B, T) and a KV cache: any object with `length` (columns
 filled), `attend(layer, q, k, v) -> out` and `advance(T)` (rollout.py's KVCache is the one the sampler
@@ -40,6 +42,7 @@ from safetensors import safe_open
 from torch.utils.checkpoint import checkpoint
 
 import fp4_gemm
+import hub
 import nvfp4
 # Where models come from lives in hub.py (the bottom of the import graph); these names stay importable
 # from here for the callers that know them as model's.
@@ -339,7 +342,8 @@ class Transformer(nn.Module):
     @classmethod
     def from_pretrained(cls, name_or_path, dtype=torch.bfloat16, device="cpu", quantize=False):
         """Load an HF Qwen2/Llama folder, alias or hub id. NVFP4 folders load as NVFP4; with
-        quantize=True a bf16/fp32 folder is quantized to NVFP4 weight by weight as it loads."""
+        quantize=True a bf16/fp32 folder is quantized to NVFP4 as it loads, with the export's shared
+        global scales (load_weights): the model `python nvfp4.py` would have written."""
         folder, raw, cfg = read_config(name_or_path)
         model = cls._skeleton(cfg, dtype, quantize or nvfp4.is_nvfp4_config(raw))
         model.materialize(device)
@@ -354,15 +358,16 @@ class Transformer(nn.Module):
         model = cls._skeleton(cfg, dtype, quantize)
         model.materialize(device)
         for name, m in model.named_modules():
-            if isinstance(m, fp4_gemm.QuantLinear):
-                w = torch.randn(m.out_features, m.in_features, generator=gen, device=device, dtype=dtype) * std
-                m.set_weight(w, name)
-            elif isinstance(m, (nn.Linear, nn.Embedding)):
+            if isinstance(m, (nn.Linear, nn.Embedding)):
                 m.weight.data.normal_(0, std, generator=gen)
             elif isinstance(m, RMSNorm):
                 m.weight.data.fill_(1.0)
             if getattr(m, "bias", None) is not None:
                 m.bias.data.normal_(0, std, generator=gen)
+        # The quantized linears' weights: drawn and quantized a fused group at a time, with its shared scale.
+        quant = {name + ".weight": m for name, m in model.named_modules() if isinstance(m, fp4_gemm.QuantLinear)}
+        fp4_gemm.quantize_in_groups(quant, lambda key: torch.randn(
+            quant[key].out_features, quant[key].in_features, generator=gen, device=device, dtype=dtype) * std)
         return model.eval()
 
 
@@ -372,14 +377,20 @@ def hf_key(name):
 
 
 def load_weights(model, folder, quantize_on_load=False):
-    """Fill `model` (already materialized, possibly with QuantLinears) from the folder's safetensors."""
+    """Fill `model` (already materialized, possibly with QuantLinears) from the folder's safetensors.
+    Every tensor read is checked (hub.check_tensor): finite, of the shape config.json gives it, and, for
+    NVFP4's codes, block scales and global scales, of their exact dtype (any float is cast to the
+    model's dtype); a bad one stops the load with one line naming the file. With quantize_on_load the
+    QuantLinears take float weights from the checkpoint and quantize them as they arrive, a fused group
+    (q/k/v, gate/up of a layer) at a time with its one shared global scale (fp4_gemm.quantize_in_groups),
+    as `python nvfp4.py` exports them: the same codes and scales as loading the exported folder."""
     weight_map = nvfp4.weight_map(folder)
     tied = model.config.tie_word_embeddings
     # The explicit map: every tensor the model holds, by its checkpoint key.
     wanted = {hf_key(n): t for n, t in model.state_dict().items() if not (tied and n == "lm_head.weight")}
-    quant_modules = {hf_key(n) + ".weight": (n, m) for n, m in model.named_modules()
+    quant_modules = {hf_key(n) + ".weight": m for n, m in model.named_modules()
                      if isinstance(m, fp4_gemm.QuantLinear)} if quantize_on_load else {}
-    for key in quant_modules:  # these arrive as bf16 weights and are quantized here
+    for key in quant_modules:  # these arrive as float weights and are quantized here
         for suffix in ("weight_packed", "weight_scale", "weight_global_scale"):
             wanted.pop(key[: -len("weight")] + suffix)
     missing = [k for k in list(wanted) + list(quant_modules) if k not in weight_map]
@@ -390,34 +401,32 @@ def load_weights(model, folder, quantize_on_load=False):
     if unexpected:
         raise KeyError(f"{folder}: checkpoint has {len(unexpected)} tensors this architecture does not use, "
                        f"e.g. {unexpected[:5]}; is config.json's model_type right?")
-    by_shard = {}
-    for key in list(wanted) + list(quant_modules):
-        by_shard.setdefault(weight_map[key], []).append(key)
-    for shard, keys in by_shard.items():
-        path = os.path.join(folder, shard)
-        try:  # a truncated or corrupted shard: name it, rather than safetensors' bare error
-            f = safe_open(path, "pt")
-        except Exception as e:
-            raise ValueError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e}); "
-                             f"download or copy it again") from None
-        for key in keys:
-            try:
-                src = f.get_tensor(key)
+    shards = {}  # shard file -> its open handle; a fused group's members may lie in different shards
+
+    def read(key, shape, dtype=None):
+        path = os.path.join(folder, weight_map[key])
+        if path not in shards:
+            try:  # a truncated or corrupted shard: name it, rather than safetensors' bare error
+                shards[path] = safe_open(path, "pt")
             except Exception as e:
-                raise ValueError(f"{path}: cannot read tensor {key} ({type(e).__name__}: {e}); the file may be "
-                                 f"truncated: download or copy it again") from None
-            if key in quant_modules:
-                name, m = quant_modules[key]
-                expected = (m.out_features, m.in_features)
-                if tuple(src.shape) != expected:
-                    raise ValueError(f"{path}: {key} has shape {tuple(src.shape)}, but config.json makes it {expected}")
-                m.set_weight(src.to(model.device), key)
-                continue
-            dst = wanted[key]
-            if src.shape != dst.shape:
-                raise ValueError(f"{path}: {key} has shape {tuple(src.shape)}, but config.json makes it "
-                                 f"{tuple(dst.shape)}")
-            dst.copy_(src.to(dst.dtype) if dst.is_floating_point() and dst.dtype.itemsize > 1 else src)
+                raise ValueError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e}); "
+                                 f"download or copy it again") from None
+        try:
+            t = shards[path].get_tensor(key)
+        except Exception as e:
+            raise ValueError(f"{path}: cannot read tensor {key} ({type(e).__name__}: {e}); the file may be "
+                             f"truncated: download or copy it again") from None
+        if dtype is None and not t.is_floating_point():
+            raise ValueError(f"{path}: {key} has dtype {t.dtype}, expected a floating-point weight")
+        return hub.check_tensor(t, key, path, shape=shape, dtype=dtype)
+
+    for key in sorted(wanted, key=lambda k: weight_map[k]):  # shard by shard
+        dst = wanted[key]
+        exact = key.endswith(("weight_packed", "weight_scale", "weight_global_scale"))  # NVFP4's own dtypes
+        src = read(key, dst.shape, dst.dtype if exact else None)
+        dst.copy_(src if exact else src.to(dst.dtype))
+    shape = lambda key: (quant_modules[key].out_features, quant_modules[key].in_features)  # noqa: E731
+    fp4_gemm.quantize_in_groups(quant_modules, lambda key: read(key, shape(key)).to(model.device))
 
 
 def read_config(name_or_path):

@@ -36,15 +36,20 @@ code for code:
 - K must be a multiple of 16 (every linear of the Qwen2.5 family is); otherwise quantize() raises
   rather than padding silently. NaN or Inf in a weight raises with the tensor's name.
 
-Fused groups in the checkpoint. vLLM runs q/k/v of a layer as one linear (qkv_proj) and gate/up as
+Fused groups: one global scale. vLLM runs q/k/v of a layer as one linear (qkv_proj) and gate/up as
 one (gate_up_proj), each holding a single global scale; fed separate ones it keeps the largest and warns
-that accuracy may degrade. So save_quantized gives every member of such a group the group's scale,
-448*6 / (the largest amax of its members), the smallest of their own, as llm-compressor writes NVFP4
-checkpoints: on a float32 model its NVFP4A16 output equals ours tensor for tensor
-(tests/test_nvfp4_export.py). (On a bf16 model llm-compressor computes the scales in bf16, we in
-float32: a few block scales and codes differ by one step, with the same error.) In memory the fused
-QuantLinear (fp4_gemm.QuantLinear.concat) instead keeps each member's own scale per row, which is
-exact and a little more accurate for the members with the smaller amax.
+that accuracy may degrade. So every member of such a group (FUSED_GROUPS, fused_groups) is quantized
+with the group's scale, 448*6 / (the largest amax of its members), the smallest of their own
+(shared_global_scale), as llm-compressor writes NVFP4 checkpoints: on a float32 model its NVFP4A16
+output equals ours tensor for tensor (tests/test_nvfp4_export.py). (On a bf16 model llm-compressor
+computes the scales in bf16, we in float32: a few block scales and codes differ by one step, with the
+same error.) The export (save_quantized) and quantizing on load (model.load_weights,
+fp4_gemm.quantize_model) share this rule, so a checkpoint exported here and the same bf16 checkpoint
+quantized as it loads are one model, code for code and scale for scale (tests/test_model.py). The
+price, for a member whose amax is below its group's: its block scales sit lower in E4M3's range, where
+the smallest lose precision to its subnormals (tests/test_nvfp4_export.py bounds the error). In
+memory the fused QuantLinear (fp4_gemm.QuantLinear.concat) keeps a global scale per row, all equal
+within a group.
 
 This file is the pure format: quantize / dequantize / pack, and checkpoint I/O
 (`python nvfp4.py --model SRC --out DST`). It imports no kernel; the module that computes with
@@ -226,9 +231,20 @@ def fused_group(key, keys=None):
     return (key,)
 
 
+def fused_groups(keys):
+    """The keys (checkpoint keys, or module names + '.weight') in groups that share one global scale:
+    each key in exactly one group, in the order of the groups' first members; a key that belongs to no
+    fused group (o_proj, down_proj, any other name) is a group of its own, and so is a member whose
+    partners are not among `keys` (fused_group)."""
+    keys = list(keys)
+    present = set(keys)
+    return list(dict.fromkeys(fused_group(key, present) for key in keys))
+
+
 def _read_tensor(folder, shard, key):
-    with safe_open(os.path.join(folder, shard), "pt") as f:
-        return f.get_tensor(key)
+    path = os.path.join(folder, shard)
+    with safe_open(path, "pt") as f:
+        return hub.check_tensor(f.get_tensor(key), key, path)
 
 
 def is_quantized_key(key):
@@ -287,9 +303,10 @@ def _write_quantized(src, tmp, config, progress, dst=None):
     bar = tqdm(total=len(keys), desc="quantizing to NVFP4", unit="tensor", disable=not progress)
     for i, shard in enumerate(shards):
         out = {}
-        with safe_open(os.path.join(src, shard), "pt") as f:
+        path = os.path.join(src, shard)
+        with safe_open(path, "pt") as f:
             for key in f.keys():
-                t = f.get_tensor(key)
+                t = hub.check_tensor(f.get_tensor(key), key, path)  # finite: a NaN would be copied or refused unnamed
                 if is_quantized_key(key):
                     members = fused_group(key, keys)
                     if members not in group_scales:  # read the group's other members (any shard) once

@@ -50,7 +50,9 @@ have a system role), rendered with the tokenizer's chat template and the assista
   (at both commits) and how its GSM8K eval asks (eval/gsm8k.py).
 - bare: the question alone: how HEAD (e8c6e79, utils/data.py) trains on GSM8K. Its system prompt is
   commented out there, so the tags its reward pays for are never asked for.
-The synthetic arith task (arith.py) is graded and prompted as gsm8k.
+The synthetic arith task (arith.py) is graded and prompted as gsm8k. The countdown kind (countdown.py, the
+search task of the AQN replication) is asked with the one instruction its policy was taught and graded by
+countdown.grade, strictly; the official variants' rewards are for GSM8K and BigMath and refuse it.
 
 Rewards (REWARDS, reward)
 -------------------------
@@ -114,7 +116,9 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 
-KINDS = ("gsm8k", "math")
+import countdown
+
+KINDS = ("gsm8k", "math", "countdown")
 DEFAULT_TIMEOUT = 5  # seconds for each math-verify parse / comparison (signal.alarm takes whole seconds)
 
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -133,11 +137,13 @@ PAPER_GSM8K_INSTRUCTION = (
     "Let's think step by step first within <think> </think> tags, and output the final answer after \"####\" "
     "tag, i.e.,: \n#     <think>\n#     ...\n#     </think>\n#     #### number")
 # style -> kind -> (system message, instruction after the question); "" is none.
-PROMPTS = {
-    "ours": {"gsm8k": ("", GSM8K_INSTRUCTION), "math": ("", MATH_INSTRUCTION)},
-    "paper": {"gsm8k": ("", PAPER_GSM8K_INSTRUCTION), "math": (OFFICIAL_SYSTEM_PROMPT, "")},
-    "official": {"gsm8k": (OFFICIAL_SYSTEM_PROMPT, ""), "math": (OFFICIAL_SYSTEM_PROMPT, "")},
-    "bare": {"gsm8k": ("", ""), "math": ("", "")},
+PROMPTS = {  # (countdown.py's search task is asked one way: the instruction the policy was taught)
+    "ours": {"gsm8k": ("", GSM8K_INSTRUCTION), "math": ("", MATH_INSTRUCTION), "countdown": ("", countdown.INSTRUCTION)},
+    "paper": {"gsm8k": ("", PAPER_GSM8K_INSTRUCTION), "math": (OFFICIAL_SYSTEM_PROMPT, ""),
+              "countdown": ("", countdown.INSTRUCTION)},
+    "official": {"gsm8k": (OFFICIAL_SYSTEM_PROMPT, ""), "math": (OFFICIAL_SYSTEM_PROMPT, ""),
+                 "countdown": ("", countdown.INSTRUCTION)},
+    "bare": {"gsm8k": ("", ""), "math": ("", ""), "countdown": ("", "")},
 }
 PROMPT_STYLES = tuple(PROMPTS)
 
@@ -288,6 +294,8 @@ def extract_answer(kind, completion, strict=False):
     """The final answer a completion gives, as text (gsm8k: the number, canonical; math: the last box
     content, else the answer tag's), or None when it gives none (see grade for strict)."""
     _check_kind(kind)
+    if kind == "countdown":
+        return countdown.extract(completion)
     if kind == "gsm8k":
         v = _gsm8k_value(completion, strict)
         return None if v is None else _fmt(v)
@@ -298,6 +306,8 @@ def has_final_answer(kind, completion):
     """Whether the completion states a final answer in an explicit answer spot: a `#### N` line or an
     `<answer>` tag holding a number (gsm8k), a closed non-empty `\\boxed{}` or `<answer>` tag (math)."""
     _check_kind(kind)
+    if kind == "countdown":
+        return countdown.has_answer(completion)
     if kind == "gsm8k":
         return _gsm8k_value(completion, strict=True) is not None
     return _math_pred(completion) is not None
@@ -390,6 +400,8 @@ def grade(kind, completion, gold, timeout=DEFAULT_TIMEOUT, *, strict=False):
     lenient default also reads the last box, else the last number anywhere). Math is always strict.
     timeout: seconds for each math-verify step (None: unbounded, for threads other than the main one)."""
     _check_kind(kind)
+    if kind == "countdown":  # (an expression of the four numbers that reaches the target: always strict)
+        return countdown.grade(completion, gold)
     if kind == "gsm8k":
         v = _gsm8k_value(completion, strict)
         return v is not None and v == _gsm8k_gold(gold)
@@ -474,14 +486,14 @@ REWARDS = {
         _both(1.0), _both(0.2),
         "gsm8k: the number after the last '#### ' equals the gold string (paper_hash_answer); " + _MATH_OFFICIAL,
         "gsm8k: a closed <think> block with something in it; math: <think>...</think> then <answer>...</answer>",
-        {"gsm8k": "paper", "math": "paper"},
+        {"gsm8k": "paper", "math": "paper", "countdown": "ours"},
         "NVlabs/QeRL 1bf4803: qerl.py get_dataset; utils/rewards.py gsm8k_score + think_reward_func (GSM8K), "
         "accuracy_reward + soft_format_reward_func (BigMath); utils/data.py (prompts)"),
     "official": Reward(
-        {"gsm8k": 2.0, "math": 1.0}, _both(0.2),
+        {"gsm8k": 2.0, "math": 1.0, "countdown": 1.0}, _both(0.2),
         "gsm8k: the text in the last <answer> tag equals the gold string (official_answer_text); " + _MATH_OFFICIAL,
         "<think>...</think> then <answer>...</answer> (think_answer_format)",
-        {"gsm8k": "bare", "math": "official"},
+        {"gsm8k": "bare", "math": "official", "countdown": "ours"},
         "NVlabs/QeRL e8c6e79: qerl.py get_dataset; utils/rewards.py correctness_reward_func + "
         "soft_format_reward_func (GSM8K), accuracy_reward + soft_format_reward_func (BigMath); utils/data.py"),
     "strict": Reward(
@@ -531,6 +543,9 @@ def reward(kind, completion, gold, variant="lenient", *, signed=False, format_we
         weight = r.format[kind] if format_weight is None else float(format_weight)
         fmt = weight * float(asked_form(kind, completion, prompt or "ours")) if weight else 0.0
         return correct + fmt, {"correct": correct, "format": fmt}
+    if kind == "countdown":
+        raise ValueError(f"the {variant} reward is the official GSM8K / BigMath one; a countdown problem is graded "
+                         f"by --reward strict")
     if kind == "math":  # the BigMath reward, the same at both commits
         ok, shaped = grade("math", completion, gold), think_answer_format(completion)
     elif variant == "paper":

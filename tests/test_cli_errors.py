@@ -148,7 +148,7 @@ AT_LOAD = [
     ("eval.py", ["--model", "{truncated}", "--out", "{tmp}/eval-truncated"],
      "{truncated}/model.safetensors: not a readable safetensors file"),
     ("eval.py", ["--model", "{reshaped}", "--out", "{tmp}/eval-reshaped"],
-     "{reshaped}/model.safetensors: model.layers.0.mlp.gate_proj.weight has shape (384, 128), but config.json makes it (400, 128)"),
+     "{reshaped}/model.safetensors: model.layers.0.mlp.gate_proj.weight has shape (384, 128), expected (400, 128)"),
     ("nvfp4.py", ["--model", "{truncated}", "--out", "{tmp}/q-truncated"],
      "{truncated}/model.safetensors: not a readable safetensors file"),
 ]

@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 
+import adapters
 import fp4_gemm
 import lora
 import model as M
@@ -38,29 +39,95 @@ def test_sharded_checkpoint(hf_folder):
         assert (hf(tokens).logits - ours(tokens)).abs().max().item() <= 1e-4
 
 
-def test_nvfp4_model_close_to_bf16_model(hf_folder, tmp_path):
+def quant_tensors(m):
+    """{module name: (packed, scale, global_scale)} of every QuantLinear of a model."""
+    return {n: (q.weight_packed, q.weight_scale.view(torch.uint8), q.weight_global_scale)
+            for n, q in m.named_modules() if isinstance(q, fp4_gemm.QuantLinear)}
+
+
+def assert_same_quantized_model(a, b, tokens):
+    """Every QuantLinear's codes, block scales (bit for bit) and global scale equal, and so the logits."""
+    ta, tb = quant_tensors(a), quant_tensors(b)
+    assert ta.keys() == tb.keys() and len(ta) == 7 * a.config.num_layers
+    for name in ta:
+        for x, y in zip(ta[name], tb[name]):
+            assert x.dtype == y.dtype and torch.equal(x, y), name
+    with torch.no_grad():
+        assert torch.equal(a(tokens), b(tokens))
+
+
+def test_quantize_on_load_is_the_exported_model(tmp_path):
+    """The bundled tiny policy: exported by `nvfp4.py` then loaded, quantized as it loads (through
+    adapters.load_policy, as train.py and eval.py do it), and quantized in memory (fp4_gemm.quantize_model)
+    are one model, with the fused groups' shared global scales."""
+    tiny = M.read_config("tiny")[0]
+    nvfp4.save_quantized(tiny, str(tmp_path / "q"), progress=False)
+    exported = M.Transformer.from_pretrained(str(tmp_path / "q"), dtype=torch.float32)
+    on_load, _ = adapters.load_policy(tiny, quant="nvfp4", device="cpu")
+    in_memory = M.Transformer.from_pretrained(tiny, dtype=torch.float32)
+    fp4_gemm.quantize_model(in_memory)
+    tokens = torch.randint(0, exported.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
+    assert_same_quantized_model(exported, on_load, tokens)
+    assert_same_quantized_model(exported, in_memory, tokens)
+    att, mlp = on_load.layers[2].self_attn, on_load.layers[2].mlp
+    for group in ((att.q_proj, att.k_proj, att.v_proj), (mlp.gate_proj, mlp.up_proj)):
+        assert len({m.weight_global_scale.item() for m in group}) == 1
+
+
+def test_qwen25_shaped_layers_quantize_on_load_as_exported(hf_folder, tmp_path):
+    """Qwen2.5-0.5B's layer shapes (q 896x896, GQA k/v 128x896 with biases, gate/up 4864x896), bf16 as
+    published, sharded so that a group's members lie in different files; k_proj drawn 3x wider than q/v
+    (and up 1.5x gate), so the shared scale differs from a member's own: export-then-load and
+    quantize-on-load agree bit for bit, and differ from quantizing q_proj alone."""
+    cfg = M.qwen25_config("0.5b").raw
+    hf, src = hf_folder("qwen2", hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+                        num_attention_heads=cfg["num_attention_heads"], num_key_value_heads=cfg["num_key_value_heads"],
+                        num_hidden_layers=1, vocab_size=96)
+    with torch.no_grad():
+        hf.model.layers[0].self_attn.k_proj.weight.mul_(3)
+        hf.model.layers[0].mlp.up_proj.weight.mul_(1.5)
+    hf.to(torch.bfloat16).save_pretrained(src, max_shard_size="3MB")
+    assert len([f for f in os.listdir(src) if f.endswith(".safetensors")]) > 3
+    on_load = M.Transformer.from_pretrained(src, dtype=torch.float32, quantize=True)
+    nvfp4.save_quantized(src, str(tmp_path / "q"), progress=False)
+    exported = M.Transformer.from_pretrained(str(tmp_path / "q"), dtype=torch.float32)
+    assert_same_quantized_model(exported, on_load, torch.randint(0, 96, (2, 7)))
+    att = on_load.layers[0].self_attn
+    w = {n: getattr(hf.model.layers[0].self_attn, n).weight.detach() for n in ("q_proj", "k_proj", "v_proj")}
+    assert att.q_proj.weight_global_scale.item() == nvfp4.global_scale_of(w["k_proj"]).item()  # k's amax rules
+    own = nvfp4.quantize(w["q_proj"])
+    assert own.global_scale.item() > att.q_proj.weight_global_scale.item()
+    assert not torch.equal(own.scale.view(torch.uint8), att.q_proj.weight_scale.view(torch.uint8))
+
+
+def test_nvfp4_model_close_to_dense_model(hf_folder):
     hf, folder = hf_folder("qwen2", hidden_size=128, intermediate_size=256)
     dense = M.Transformer.from_pretrained(folder, dtype=torch.float32)
     on_load = M.Transformer.from_pretrained(folder, dtype=torch.float32, quantize=True)
-    nvfp4.save_quantized(folder, str(tmp_path / "q"), progress=False)
-    from_disk = M.Transformer.from_pretrained(str(tmp_path / "q"), dtype=torch.float32)
-    n_quant = sum(isinstance(m, fp4_gemm.QuantLinear) for m in from_disk.modules())
-    assert n_quant == 7 * hf.config.num_hidden_layers
-    assert isinstance(from_disk.lm_head, torch.nn.Linear)
+    assert sum(isinstance(m, fp4_gemm.QuantLinear) for m in on_load.modules()) == 7 * hf.config.num_hidden_layers
+    assert isinstance(on_load.lm_head, torch.nn.Linear)
     tokens = torch.randint(0, 101, (2, 16))
     with torch.no_grad():
-        a, b, c = dense(tokens), on_load(tokens), from_disk(tokens)
-    # The checkpoint gives each fused group (q/k/v, gate/up) one shared global scale, as vLLM needs;
-    # quantize-on-load keeps each linear's own (more accurate): o/down identical, the rest close.
-    for (name, m1), m2 in zip(on_load.named_modules(), from_disk.modules()):
-        if isinstance(m1, fp4_gemm.QuantLinear) and name.split(".")[-1] in ("o_proj", "down_proj"):
-            assert torch.equal(m1.weight_packed, m2.weight_packed) and torch.equal(m1.weight_scale, m2.weight_scale)
-    assert ((b - c).norm() / b.norm()).item() < 0.1
+        a, b = dense(tokens), on_load(tokens)
     # Each weight carries ~9.5% relative RMS error (sqrt of NVFP4's 0.009 MSE), compounding
     # through the layers of a random model: close, but really quantized.
     rel = ((a - b).norm() / a.norm()).item()
     assert 1e-3 < rel < 0.3, rel
     assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.95
+
+
+def test_quantize_model_groups_are_what_the_filter_picks(hf_folder):
+    """A linear quantized without its group's partners (or under a name outside nvfp4.FUSED_GROUPS)
+    keeps its own global scale: only the members picked together share one."""
+    _, folder = hf_folder("qwen2")
+    m = M.Transformer.from_pretrained(folder, dtype=torch.float32)
+    att = m.layers[0].self_attn
+    w = {n: getattr(att, n).weight.detach().clone() for n in ("q_proj", "k_proj", "v_proj")}
+    fp4_gemm.quantize_model(m, filter=lambda name, mod: fp4_gemm.is_decoder_linear(name, mod)
+                            and name.endswith(("q_proj", "k_proj")))
+    shared = nvfp4.shared_global_scale([w["q_proj"], w["k_proj"]])
+    assert torch.equal(att.q_proj.weight_global_scale, shared) and torch.equal(att.k_proj.weight_global_scale, shared)
+    assert isinstance(att.v_proj, torch.nn.Linear)
 
 
 def test_swap_linears_and_random_model():
@@ -218,12 +285,59 @@ def test_errors(hf_folder, tmp_path, monkeypatch):
     with pytest.raises(KeyError, match="does not use"):
         M.Transformer.from_pretrained(folder)
     json.dump({**config, "intermediate_size": 80}, open(os.path.join(folder, "config.json"), "w"))
-    with pytest.raises(ValueError, match=r"model.safetensors: .* has shape .*, but config.json makes it"):
+    with pytest.raises(ValueError, match=r"model.safetensors: .*gate_proj.weight has shape \(96, 64\), expected \(80, 64\)"):
         M.Transformer.from_pretrained(folder)
     os.remove(os.path.join(folder, "model.safetensors"))
     json.dump(config, open(os.path.join(folder, "config.json"), "w"))
     with pytest.raises(FileNotFoundError, match="no model.safetensors"):
         M.Transformer.from_pretrained(folder)
+
+
+def rewrite(folder, key, change):
+    """Replace tensor `key` of the folder's one model.safetensors by change(tensor)."""
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    tensors[key] = change(tensors[key])
+    save_file(tensors, path, metadata={"format": "pt"})
+    return path
+
+
+def with_nan(t):
+    t = t.clone()
+    t.view(-1)[3] = float("nan")
+    return t
+
+
+@pytest.mark.parametrize("quantize", [False, True], ids=["dense", "quantize-on-load"])
+@pytest.mark.parametrize("key", ["model.layers.1.post_attention_layernorm.weight", "model.layers.0.self_attn.k_proj.weight",
+                                 "model.layers.1.self_attn.q_proj.bias"])
+def test_a_nan_in_a_checkpoint_is_refused_naming_the_file(hf_folder, key, quantize):
+    _, folder = hf_folder("qwen2")
+    path = rewrite(folder, key, with_nan)
+    with pytest.raises(ValueError, match=f"^{path}: {key} holds 1 non-finite values"):
+        M.Transformer.from_pretrained(folder, dtype=torch.float32, quantize=quantize)
+
+
+@pytest.mark.parametrize("key,change,message", [
+    ("model.layers.0.mlp.up_proj.weight_scale", lambda t: t[:, :-1].contiguous(), r"has shape \(96, 3\), expected \(96, 4\)"),
+    ("model.layers.0.mlp.up_proj.weight_packed", lambda t: t.view(torch.int8), "has dtype torch.int8, expected torch.uint8"),
+    ("model.layers.1.self_attn.v_proj.weight_scale", lambda t: t.view(torch.uint8), "has dtype torch.uint8, expected torch.float8_e4m3fn"),
+    ("model.layers.1.self_attn.v_proj.weight_scale", lambda t: torch.where(  # E4M3's NaN byte
+        torch.arange(t.numel()).reshape(t.shape) == 5, torch.tensor(0x7F, dtype=torch.uint8), t.view(torch.uint8)
+    ).view(torch.float8_e4m3fn), "holds 1 non-finite values"),
+    ("model.layers.1.mlp.down_proj.weight_global_scale", lambda t: t * float("inf"), "holds 1 non-finite values"),
+    ("model.layers.1.mlp.down_proj.weight_global_scale", lambda t: t.repeat(2), r"has shape \(2,\), expected \(1,\)"),
+    ("model.norm.weight", lambda t: t.to(torch.int32), "has dtype torch.int32, expected a floating-point weight"),
+])
+def test_a_broken_nvfp4_checkpoint_is_refused_naming_the_file(hf_folder, tmp_path, key, change, message):
+    _, folder = hf_folder("qwen2")
+    dst = str(tmp_path / "q")
+    nvfp4.save_quantized(folder, dst, progress=False)
+    path = rewrite(dst, key, change)
+    with pytest.raises(ValueError, match=f"^{path}: {key} {message}"):
+        M.Transformer.from_pretrained(dst, dtype=torch.float32)
 
 
 def test_config_reads_both_rope_layouts():

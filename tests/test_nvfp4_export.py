@@ -59,6 +59,11 @@ def test_fused_group_names():
     for key in ("model.layers.0.mlp.down_proj.weight", "model.layers.0.self_attn.o_proj.weight"):
         assert nvfp4.fused_group(key) == (key,)
     assert nvfp4.fused_group(k, {k: "x"}) == (k,)  # only members the checkpoint has
+    # fused_groups partitions keys into groups, in the order of their first members; a name outside
+    # FUSED_GROUPS, or a member without its partners, is a group of its own.
+    keys = [f"layers.0.self_attn.{n}_proj.weight" for n in "qkvo"] + ["layers.0.mlp.up_proj.weight", "fc.weight",
+                                                                    "layers.0.mlp.gate_proj.weight", "layers.1.mlp.up_proj.weight"]
+    assert nvfp4.fused_groups(keys) == [tuple(keys[:3]), (keys[3],), (keys[6], keys[4]), (keys[5],), (keys[7],)]
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
@@ -102,6 +107,22 @@ def test_checkpoint_groups_share_one_global_scale_and_load(hf_folder, tmp_path, 
     assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("key", ["model.embed_tokens.weight", "model.layers.1.mlp.up_proj.weight"])
+def test_export_refuses_a_nan_naming_the_file(hf_folder, tmp_path, key):
+    """A NaN in the source is refused with the file and tensor named, whether the tensor would be copied
+    (embeddings) or quantized; the output folder is not left behind."""
+    from safetensors.torch import load_file, save_file
+
+    _, src = hf_folder("qwen2")
+    path = os.path.join(src, "model.safetensors")
+    tensors = load_file(path)
+    tensors[key][0, 5] = float("nan")
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"^{path}: {key} holds 1 non-finite values"):
+        nvfp4.save_quantized(src, str(tmp_path / "q"), progress=False)
+    assert not os.path.exists(tmp_path / "q")
+
+
 def test_concat_keeps_per_row_scales_of_a_shared_scale_checkpoint(hf_folder, tmp_path):
     """Fusing loaded q/k/v in memory stacks their (here equal) scales row by row: exact either way."""
     from fp4_gemm import QuantLinear
@@ -122,24 +143,60 @@ def test_concat_keeps_per_row_scales_of_a_shared_scale_checkpoint(hf_folder, tmp
     assert fused.weight_global_scale.float().unique().numel() == 1  # the group's one scale, on every row
 
 
-def _llmcompressor_nvfp4a16(src, dst, dtype):
-    from llmcompressor import oneshot
-    from llmcompressor.modifiers.quantization import QuantizationModifier
-    from transformers import AutoModelForCausalLM
+# llm-compressor pins its own transformers and compressed-tensors, older than the project's, so it lives in a
+# side folder (`make test` installs requirements-llmcompressor.txt there, .llmcompressor/ by default) and runs
+# in a subprocess with that folder first on its path, leaving this interpreter's packages alone.
+LLMC_ENV = "QERL_LLMCOMPRESSOR"
+LLMC_DEFAULT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".llmcompressor")
+LLMC_SCRIPT = """
+import sys, torch
+from llmcompressor import oneshot
+from llmcompressor.modifiers.quantization import QuantizationModifier
+from transformers import AutoModelForCausalLM
+m = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=getattr(torch, sys.argv[3]))
+oneshot(model=m, recipe=QuantizationModifier(targets="Linear", scheme="NVFP4A16", ignore=["lm_head"]))
+m.save_pretrained(sys.argv[2], save_compressed=True)
+"""
 
-    m = AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
-    oneshot(model=m, recipe=QuantizationModifier(targets="Linear", scheme="NVFP4A16", ignore=["lm_head"]))
-    m.save_pretrained(dst, save_compressed=True)
+
+def llmcompressor_site():
+    """The folder to put first on the subprocess's path: $QERL_LLMCOMPRESSOR (which must then exist),
+    else .llmcompressor/ where `make test` installed it, else "" when this Python has llmcompressor itself.
+    Skips when none is there."""
+    import importlib.util
+
+    site = os.environ.get(LLMC_ENV)
+    if site:
+        assert os.path.isdir(os.path.join(site, "llmcompressor")), (
+            f"{LLMC_ENV}={site} holds no llmcompressor: run `make test`, which installs it there, or unset {LLMC_ENV}")
+        return site
+    if os.path.isdir(os.path.join(LLMC_DEFAULT, "llmcompressor")):
+        return LLMC_DEFAULT
+    if importlib.util.find_spec("llmcompressor") is not None:
+        return ""
+    pytest.skip(f"llm-compressor not installed: `make test` installs it into {LLMC_DEFAULT} "
+                f"(requirements-llmcompressor.txt) and runs this test; or set {LLMC_ENV} to such a folder")
+
+
+def llmcompressor_nvfp4a16(site, src, dst, dtype="float32"):
+    """llm-compressor's data-free NVFP4A16 oneshot of the HF folder src, saved compressed into dst."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (site, env.get("PYTHONPATH")) if p)
+    run = subprocess.run([sys.executable, "-c", LLMC_SCRIPT, src, dst, dtype], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, f"llm-compressor failed (python path {site or 'this venv'}):\n{run.stderr[-3000:]}"
 
 
 def test_same_checkpoint_as_llmcompressor(hf_folder, tmp_path):
     """llm-compressor's NVFP4A16 (weight-only, data-free oneshot) on the same float32 model writes
     exactly our tensors: codes, block scales and the fused groups' shared global scales."""
-    pytest.importorskip("llmcompressor", reason="llmcompressor not installed (pip install llmcompressor)")
+    site = llmcompressor_site()
     hf, src = hf_folder("qwen2")
     ours, theirs = str(tmp_path / "ours"), str(tmp_path / "theirs")
     nvfp4.save_quantized(src, ours, progress=False)
-    _llmcompressor_nvfp4a16(src, theirs, torch.float32)
+    llmcompressor_nvfp4a16(site, src, theirs)
     a, b = read_folder(ours), read_folder(theirs)
     quant = [k for k in a if k.endswith(("weight_packed", "weight_scale", "weight_global_scale"))]
     assert len(quant) == 3 * 7 * len(hf.model.layers)
@@ -151,6 +208,7 @@ def test_same_checkpoint_as_llmcompressor(hf_folder, tmp_path):
     gs = lambda n: b[f"model.layers.0.{n}.weight_global_scale"].item()  # noqa: E731
     assert gs("self_attn.q_proj") == gs("self_attn.k_proj") == gs("self_attn.v_proj")
     assert gs("mlp.gate_proj") == gs("mlp.up_proj")
+    assert gs("self_attn.q_proj") != gs("self_attn.o_proj")  # (a shared scale is not one for the whole model)
 
 
 def leftovers(folder):

@@ -519,11 +519,32 @@ def test_the_reward_table():
         assert all(style in tasks.PROMPT_STYLES for style in r.prompt.values()), name
         assert r.source and r.grading and r.form
     paper, official = tasks.REWARDS["paper"], tasks.REWARDS["official"]
-    assert (paper.correct, paper.format) == ({"gsm8k": 1.0, "math": 1.0}, {"gsm8k": 0.2, "math": 0.2})
-    assert (official.correct, official.format) == ({"gsm8k": 2.0, "math": 1.0}, {"gsm8k": 0.2, "math": 0.2})
-    assert paper.prompt == {"gsm8k": "paper", "math": "paper"} and "1bf4803" in paper.source
-    assert official.prompt == {"gsm8k": "bare", "math": "official"} and "e8c6e79" in official.source
+    official_kinds = lambda d: {k: d[k] for k in ("gsm8k", "math")}  # (countdown: ours alone, below)
+    assert (official_kinds(paper.correct), official_kinds(paper.format)) == ({"gsm8k": 1.0, "math": 1.0},
+                                                                            {"gsm8k": 0.2, "math": 0.2})
+    assert (official_kinds(official.correct), official_kinds(official.format)) == ({"gsm8k": 2.0, "math": 1.0},
+                                                                                  {"gsm8k": 0.2, "math": 0.2})
+    assert official_kinds(paper.prompt) == {"gsm8k": "paper", "math": "paper"} and "1bf4803" in paper.source
+    assert official_kinds(official.prompt) == {"gsm8k": "bare", "math": "official"} and "e8c6e79" in official.source
     assert set(tasks.OURS) == {"strict", "lenient"} <= set(tasks.REWARDS)
+
+
+def test_countdown_is_graded_by_its_own_file_and_only_by_ours():
+    """The countdown kind: countdown.grade decides (strict, whatever the variant of ours), the answer is read
+    as countdown.extract reads it, and the official variants, GSM8K's and BigMath's, refuse it."""
+    import countdown
+
+    gold = "25 4 7 3 -> 96 : ((25*4)-7)+3"
+    right, wrong = "25*4=100\n100-7=93\n93+3=96\n#### ((25*4)-7)+3", "#### 25*4-7"
+    for variant in tasks.OURS:
+        assert tasks.reward("countdown", right, gold, variant) == (1.0, {"correct": 1.0, "format": 0.0})
+        assert tasks.reward("countdown", wrong, gold, variant)[0] == 0.0
+    assert tasks.grade("countdown", right, gold) and not tasks.grade("countdown", wrong, gold)
+    assert tasks.extract_answer("countdown", right) == countdown.extract(right)
+    assert tasks.has_final_answer("countdown", wrong) and not tasks.has_final_answer("countdown", "96")
+    for variant in ("paper", "official"):
+        with pytest.raises(ValueError, match="a countdown problem is graded by --reward strict"):
+            tasks.reward("countdown", right, gold, variant)
 
 
 @pytest.mark.parametrize("variant, kw, message", [

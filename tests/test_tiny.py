@@ -1,4 +1,4 @@
-"""The bundled tiny policy (assets/tiny) and the script that makes it (tiny.py)."""
+"""The bundled tiny policy (assets/tiny) and the script that makes it and the Countdown policy (tiny.py)."""
 
 import json
 import random
@@ -11,6 +11,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import arith  # noqa: E402
+import countdown  # noqa: E402
 import tiny  # noqa: E402
 
 TINY = ROOT / "assets" / "tiny"
@@ -80,31 +81,21 @@ def test_our_model_matches_transformers_on_the_checkpoint(hf):
         torch.testing.assert_close(ours(x), ref(input_ids=x).logits, atol=1e-4, rtol=1e-4)
 
 
-def test_partial_competence_and_nvfp4(hf):
+def test_partial_competence_and_nvfp4():
     """Right often but not reliably at temperature 1 (room for RL), mostly right greedily, and the
-    same after NVFP4 quantization of the decoder linears. Bounds are loose: 64 problems are noisy."""
-    ref, tok = hf
+    same after NVFP4 quantization of the decoder linears, measured as tiny.py measures a saved
+    checkpoint (adapters.load_policy: model.py and fp4_gemm). Bounds are loose: 64 problems are noisy."""
+    import adapters
+
     items = arith.load("test", 64, seed=1)  # other problems than the README's measurement
+    ref, tok = adapters.load_policy(str(TINY), None, "bf16", "cpu")
     acc = tiny.accuracy(ref, tok, items, 8, torch.Generator().manual_seed(random.randrange(1000)))
     assert 0.10 <= acc["pass@1_t1"] <= 0.70, acc
     assert acc["pass@8_t1"] >= acc["pass@1_t1"] + 0.2, acc
-    assert acc["greedy"] >= 0.7, acc
-    q = tiny.accuracy(nvfp4_roundtrip(ref), tok, items, 1, torch.Generator().manual_seed(0))
+    assert acc["greedy"] >= 0.7 and acc["valid_t1"] >= 0.75, acc  # (a slip may hit the #### line too)
+    q = tiny.accuracy(adapters.load_policy(str(TINY), None, "nvfp4", "cpu")[0], tok, items, 1,
+                      torch.Generator().manual_seed(0))
     assert q["greedy"] >= acc["greedy"] - 0.15, (acc, q)
-
-
-def nvfp4_roundtrip(model):
-    """A copy of a transformers model whose decoder linears hold NVFP4-quantized-then-dequantized
-    weights: in float32 the same product as fp4_gemm.QuantLinear, without going through it."""
-    import copy
-
-    import nvfp4
-
-    q = copy.deepcopy(model)
-    for name, m in q.named_modules():
-        if isinstance(m, torch.nn.Linear) and name.split(".")[-1] in nvfp4.LINEAR_NAMES:
-            m.weight.data = nvfp4.dequantize(nvfp4.quantize(m.weight.data, name=name), torch.float32)
-    return q
 
 
 def test_make_batch_masks_all_but_the_answer():
@@ -145,7 +136,7 @@ def test_training_learns_and_is_reproducible(tmp_path):
     # --report-only re-measures with its own sample count; the training history keeps the old one
     again = tiny.main(tiny.parse_args(["--out", str(tmp_path / "a"), "--report-only", "--eval-size", "4",
                                        "--eval-samples", "3", "--device", "cpu"]))
-    assert set(again["final"]["nvfp4"]) == {"greedy", "pass@1_t1", "pass@3_t1", "seconds"}
+    assert set(again["final"]["nvfp4"]) == {"greedy", "pass@1_t1", "pass@3_t1", "valid_t1", "seconds"}
     assert "pass@3 (T=1)" in (tmp_path / "a" / "README.md").read_text()
 
 
@@ -154,8 +145,9 @@ SMALL = ["--steps", "2", "--batch-size", "4", "--train-size", "50", "--vocab-siz
          "--eval-size", "2", "--eval-samples", "2", "--device", "cpu", "--seed", "1"]
 
 
-def fake_measure(out, held, samples, device):
-    return {q: {"greedy": 0.5, "pass@1_t1": 0.25, f"pass@{samples}_t1": 0.5, "seconds": 0.0} for q in ("bf16", "nvfp4")}
+def fake_measure(out, held, samples, device, task="arith", max_new_tokens=64):
+    return {q: {"greedy": 0.5, "pass@1_t1": 0.25, f"pass@{samples}_t1": 0.5, "valid_t1": 0.75, "seconds": 0.0}
+            for q in ("bf16", "nvfp4")}
 
 
 def test_a_failure_midway_leaves_the_folder_as_it_was(tmp_path, monkeypatch):
@@ -223,3 +215,218 @@ def test_bad_values_stop_before_any_folder_is_written(tmp_path, capsys):
     with pytest.raises(SystemExit, match=f"tiny.py: --report-only .* {out} has no training.json"):
         tiny.main(tiny.parse_args(["--report-only", "--out", str(out)]))
     assert not out.exists()
+
+
+# --- the Countdown preset, the stopping rule, sharded bf16 checkpoints ---------------------------
+
+CD = ["--task", "countdown", "--steps", "6", "--batch-size", "4", "--train-size", "60", "--vocab-size", "320",
+      "--hidden", "64", "--intermediate", "96", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--warmup", "2",
+      "--eval-every", "2", "--probe-size", "3", "--probe-samples", "2", "--eval-size", "3", "--eval-samples", "2",
+      "--max-new-tokens", "8", "--device", "cpu", "--seed", "2"]
+
+
+def test_countdown_presets_and_the_recorded_command():
+    """The preset fills what the command line leaves out; the recorded command names the task and the
+    flags that differ from its preset, and reads back as the same settings."""
+    args = tiny.parse_args(["--task", "countdown"])
+    assert (args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate) == (384, 8, 6, 2, 1024)
+    assert args.label_smoothing == 0 and args.stop_at == 0.10 and args.dtype == "bfloat16" and args.shard_mib == 15
+    assert tiny.parse_args(["--task", "countdown", "--hidden", "192"]).hidden == 192  # a flag beats the preset
+    assert tiny.parse_args([]).label_smoothing == 0.05 and tiny.parse_args([]).stop_at is None
+    args = tiny.parse_args(CD + ["--out", "runs/x", "--stop-at", "none"])
+    cmd = tiny.command(args, forced=False)
+    assert cmd.startswith("python tiny.py --task countdown --out runs/x --seed 2 ") and "--stop-at none" in cmd
+    again = tiny.parse_args(cmd.split()[2:] + ["--device", "cpu"])
+    assert vars(again) == vars(args)
+
+
+def test_countdown_prompt_is_the_one_tasks_asks():
+    """The Countdown policy is taught the prompt train.py and eval.py will show it: the instruction after
+    the question, in the chat template (once tasks.py knows the kind, its Task must be this one)."""
+    import tasks
+
+    task = tiny.SYNTHETIC["countdown"].task
+    item = tiny.SYNTHETIC["countdown"].load("test", 1, 0)[0]
+    assert task.messages(item["question"]) == [{"role": "user", "content": item["question"] + "\n" +
+                                                countdown.INSTRUCTION}]
+    if "countdown" not in tasks.KINDS:
+        pytest.skip("tasks.py does not know the countdown kind yet (registered when countdown is wired in)")
+    assert tasks.get_task("countdown") == task
+
+
+def test_stopping_rule_stops_at_the_first_probe_that_reaches_the_threshold(tmp_path, monkeypatch):
+    """Probes every 2 steps; the third one reaches --stop-at: training stops there, records the step and
+    says so in its README; a threshold never reached trains all --steps."""
+    seen = []
+
+    def fake_accuracy(policy, tok, items, samples, generator, task="arith", max_new_tokens=64):
+        seen.append((len(items), samples, task, max_new_tokens))
+        p = [0.0, 0.05, 0.2, 0.9][min(len(seen) - 1, 3)]
+        return {"greedy": p, "pass@1_t1": p, f"pass@{samples}_t1": p, "valid_t1": 1.0}
+
+    monkeypatch.setattr(tiny, "accuracy", fake_accuracy)
+    monkeypatch.setattr(tiny, "measure", fake_measure)
+    meta = tiny.main(tiny.parse_args(CD + ["--out", str(tmp_path / "a"), "--steps", "20", "--stop-at", "0.15"]))
+    assert [h["step"] for h in meta["history"]] == [2, 4, 6] and meta["stopped_at"] == 6 == meta["steps_trained"]
+    assert seen == [(3, 2, "countdown", 8)] * 3  # the probe: --probe-size problems, --probe-samples each
+    assert "It stopped at step 6, the first probe whose pass@1" in (tmp_path / "a" / "README.md").read_text()
+    seen.clear()
+    meta = tiny.main(tiny.parse_args(CD + ["--out", str(tmp_path / "b"), "--steps", "5", "--stop-at", "0.95"]))
+    assert meta["stopped_at"] is None and meta["steps_trained"] == 5 and len(meta["history"]) == 2
+    assert "No probe reached pass@1 0.95" in (tmp_path / "b" / "README.md").read_text()
+
+
+def test_countdown_checkpoint_is_sharded_bf16_and_loads_everywhere(tmp_path):
+    """A short Countdown run end to end (its real probes and final measurement): bf16 shards under the
+    size asked for with an index, which transformers and model.py load to the same logits, and a
+    training.json whose numbers are fractions."""
+    from safetensors import safe_open
+    from transformers import AutoTokenizer, Qwen2ForCausalLM
+
+    import model
+
+    out = tmp_path / "cd"
+    meta = tiny.main(tiny.parse_args(CD + ["--out", str(out), "--shard-mib", "0.05"]))
+    shards = sorted(out.glob("model-*.safetensors"))
+    assert len(shards) >= 2 and (out / "model.safetensors.index.json").is_file()
+    assert all(f.stat().st_size <= 0.05 * 2**20 + 64 * 1024 for f in shards)  # (a tensor over the limit goes alone)
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    for f in shards:
+        with safe_open(f, "pt") as s:
+            assert all(s.get_slice(k).get_dtype() == "BF16" for k in s.keys())
+            assert all(index[k] == f.name for k in s.keys())
+    ref = Qwen2ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(out)
+    item = countdown.load("test", 1)[0]
+    x = torch.tensor([tok(tiny.prompt_text(tok, item["question"], "countdown") + item["solution"])["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(model.Transformer.from_pretrained(str(out), dtype=torch.float32)(x),
+                                   ref(input_ids=x).logits, atol=1e-4, rtol=1e-4)
+    for quant in ("bf16", "nvfp4"):
+        assert set(meta["final"][quant]) == {"greedy", "pass@1_t1", "pass@2_t1", "valid_t1", "seconds"}
+        assert all(0 <= meta["final"][quant][k] <= 1 for k in ("greedy", "pass@1_t1", "pass@2_t1", "valid_t1"))
+    assert [h["step"] for h in meta["history"]] == [2, 4]
+    assert meta["prompt_example"].endswith(countdown.INSTRUCTION + "<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_accuracy_counts_right_and_wellformed_answers(monkeypatch):
+    """greedy, pass@1, pass@K and the well-formed fraction from fixed completions, by hand."""
+    import tasks
+
+    items = countdown.load("test", 2)
+    n0, t0, _ = countdown.parse_gold(items[0]["answer"])
+    wrong = next(e for e in ("+".join(map(str, n0)), "*".join(map(str, n0)), "-".join(map(str, n0)))
+                 if countdown.verdict(f"#### {e}", items[0]["answer"]) == "value")
+    table = [items[0]["solution"], items[1]["solution"],  # greedy: both right
+             items[0]["solution"], f"#### {wrong}",  # problem 0 sampled: right, well-formed but wrong
+             "#### 1+", "nothing"]  # problem 1 sampled: neither
+    calls = []
+
+    def fake_sample(policy, prompts, n, max_new_tokens, temperature, eos, pad, generator):
+        first = 0 if temperature == 0 else 2
+        calls.append((len(prompts), n, temperature, max_new_tokens))
+        return [[first + i] for i in range(len(prompts) * n)]
+
+    class Tok:
+        eos_token_id = pad_token_id = 0
+
+        def decode(self, ids):
+            return table[ids[0]]
+
+    monkeypatch.setattr(tiny, "sample", fake_sample)
+    monkeypatch.setattr(tasks.Task, "prompt_ids", lambda self, tok, q: [1, 2])
+    acc = tiny.accuracy(None, Tok(), items, 2, torch.Generator(), "countdown", 8)
+    assert calls == [(2, 1, 0.0, 8), (2, 2, 1.0, 8)]
+    assert acc == {"greedy": 1.0, "pass@1_t1": 0.25, "pass@2_t1": 0.5, "valid_t1": 0.5}
+
+
+# --- --report-only and full disks ----------------------------------------------------------------
+
+def bundled_copy(tmp_path):
+    import shutil
+
+    dst = tmp_path / "bundled"
+    shutil.copytree(TINY, dst)
+    return dst
+
+
+def test_report_only_refuses_what_only_force_may_rewrite(tmp_path, monkeypatch):
+    """`--report-only` without --force on the bundled folder (the project's own tree) and on a folder another
+    command wrote: refused before measuring, every file as it was."""
+    import hub
+
+    monkeypatch.setattr(tiny, "measure", lambda *a, **k: pytest.fail("measured a folder it may not rewrite"))
+    other = bundled_copy(tmp_path)
+    hub.mark(str(other), "lora.py", files=sorted(p.name for p in other.iterdir() if p.name != hub.MARKER))
+    for folder, why in ((TINY, "project's own tree"), (other, "written by lora.py")):
+        before = {p.name: p.read_bytes() for p in folder.iterdir()}
+        with pytest.raises(SystemExit, match=f"--report-only rewrites training.json and README.md .*{why}"):
+            tiny.main(tiny.parse_args(["--report-only", "--out", str(folder), "--device", "cpu"]))
+        assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
+def test_report_only_with_force_rewrites_only_the_measured_table(tmp_path, monkeypatch):
+    """With --force: training.json gets the new measurement, and the README every line it had but those of
+    its measured table (heading and rows), which say the new numbers."""
+    dst = bundled_copy(tmp_path)
+    old = (dst / "README.md").read_text()
+    monkeypatch.setattr(tiny, "measure", fake_measure)
+    meta = tiny.main(tiny.parse_args(["--report-only", "--force", "--out", str(dst), "--device", "cpu",
+                                      "--eval-size", "3", "--eval-samples", "5"]))
+    new = (dst / "README.md").read_text()
+    a, b = tiny.table_block(old), tiny.table_block(new)
+    old_lines, new_lines = old.split("\n"), new.split("\n")
+    assert old_lines[:a[0]] == new_lines[:b[0]] and old_lines[a[1]:] == new_lines[b[1]:]
+    assert "first 3 problems; 5 samples each" in new_lines[b[0]] and "| 0.500 | 0.250 | 0.500 | 0.750 |" in new
+    assert json.loads((dst / "training.json").read_text())["final"] == meta["final"] == fake_measure(0, 0, 5, 0)
+    assert sorted(p.name for p in dst.iterdir()) == sorted(p.name for p in TINY.iterdir())  # no temporary file
+
+
+def test_a_failed_write_is_one_line_and_keeps_the_folder(tmp_path, monkeypatch):
+    """safetensors' own error for a full disk (no OSError) while saving: one line naming the path and what
+    was kept; the earlier checkpoint intact, no temporary folder."""
+    from safetensors import SafetensorError
+    from transformers import PreTrainedModel
+
+    out = tmp_path / "ckpt"
+    tiny.main(tiny.parse_args(SMALL + ["--out", str(out)]))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def full(*a, **k):
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", full)
+    with pytest.raises(SystemExit) as e:
+        tiny.main(tiny.parse_args(SMALL + ["--out", str(out)]))
+    msg = str(e.value.code)
+    assert msg.startswith("tiny.py: cannot write ") and "StorageFull" in msg and f"{out} is left as it was" in msg
+    assert "\n" not in msg
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A real 96 KiB filesystem (tmpfs), where the test can mount one (root, mount allowed)."""
+    import subprocess
+
+    where = tmp_path / "small"
+    where.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96k", "tmpfs", str(where)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root and mount rights): {r.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=False)
+
+
+def test_a_full_disk_stops_with_one_line(small_fs):
+    """Training into a filesystem too small for the checkpoint: one line naming the path and saying --out
+    is left as it was; nothing written there stays."""
+    out = small_fs / "ckpt"
+    with pytest.raises(SystemExit) as e:
+        tiny.main(tiny.parse_args(SMALL + ["--out", str(out), "--hidden", "64", "--intermediate", "96"]))
+    msg = str(e.value.code)
+    assert msg.startswith(f"tiny.py: cannot write {small_fs}") and msg.endswith(f"{out} is left as it was"), msg
+    assert list(small_fs.iterdir()) == []
