@@ -311,6 +311,20 @@ def load_dataset(name_or_path, split="test", limit=None, data_dir=None):
 
 
 
+class PromptEncoder:
+    """A problem's prompt tokens as its task asks it (tasks.get_task: the chat template, in the prompt style
+    `style(kind)` names); each question encoded once and kept."""
+
+    def __init__(self, tokenizer, style):
+        self.tokenizer, self.style, self.ids = tokenizer, style, {}
+
+    def __call__(self, item):
+        q = item["question"]
+        if q not in self.ids:
+            self.ids[q] = tasks.get_task(item["kind"], self.style(item["kind"])).prompt_ids(self.tokenizer, q)
+        return self.ids[q]
+
+
 class PromptStream:
     """Training problems in a seeded random order, epoch after epoch; `pos` is all the state."""
 

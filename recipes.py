@@ -38,6 +38,10 @@ sample is right and one wrong, and a step's gradient is one prompt's. The gsm8k 
 prompts x 8 (DAPO uses 16 samples): 500 steps for about the same epoch (8,000 prompts), 15x fewer
 optimizer steps of a 64x larger batch at the same lr, so less movement per sample seen and less
 noise per step; AQN's stages are 50 steps. `--recipe official` runs the script's schedule as it is.
+
+Departures from the official code that are not values: AQN's noise really reaches the rollout model (the
+official hook is inert: tests/test_aqn.py), and the held-out evaluation applies the trained adapter and
+norms (tests/test_eval.py). The official QeRL's known bugs, and the tests that keep them out: DESIGN.md.
 """
 import argparse
 import importlib.util
@@ -215,6 +219,8 @@ def build_parser():
     a("--logp-chunk", type=int, default=1024, help="completion tokens per lm_head chunk when computing logprobs")
     a("--checkpointing", default="auto", choices=["auto", "on", "off"],
       help="activation checkpointing in the update (auto: off on a GPU where a micro-batch fits without)")
+    a("--mem-cap-gb", type=float, default=None, help="plan the step into this many GB of the GPU (default: all "
+      "this process can allocate); the plan is printed at start (memory.py)")
     a("--no-compile", action="store_true", help="run the update's blocks eagerly (default: torch.compile on a GPU)")
     a("--fp8-update", action="store_true", help="NVFP4 base: the update's base GEMMs on FP8 tensor cores "
       "(engine/fp8.py); faster on Hopper, less exact (results/fp8_update.md)")
@@ -295,7 +301,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 # What --resume lets a user change: how long the run goes on, how often it logs, evaluates and saves,
 # and how each step's work is laid out on the device (the same sums, so the same run).
 RESUMABLE = {"steps", "eval_every", "save_every", "plot_every", "log_samples", "log", "micro_batch", "logp_chunk",
-             "checkpointing", "no_compile", "device", "force"}
+             "checkpointing", "no_compile", "device", "force", "mem_cap_gb"}
 # Options renamed since a run's args.json was written: old name -> (new name, how the value maps).
 RENAMED = {"no_aqn": ("aqn", lambda v: not v), "no_dynamic_sampling": ("dynamic_sampling", lambda v: not v)}
 
@@ -310,7 +316,12 @@ def parse(argv=None):
         with_recipe_help(parser, [a for a in argv if a not in ("-h", "--help")])
     args = parser.parse_args(argv)
     args = resume_args(argv, args.resume) if args.resume else fill(args)
-    check(args)
+    try:
+        check(args)
+    except SystemExit as e:
+        if not args.resume:
+            raise
+        raise SystemExit(f"{e}\n  (the run's settings, read from {os.path.join(args.resume, 'args.json')})") from None
     return args
 
 
@@ -353,6 +364,11 @@ def derive(args):
 def prompt_style(args, kind):
     """How a problem of `kind` is asked: --prompt, else the prompt the reward variant was trained with."""
     return args.prompt or tasks.REWARDS[args.reward].prompt[kind]
+
+
+def lora_targets(args):
+    """--lora-targets as a tuple of linear names."""
+    return tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
 
 
 def is_tiny(model):
@@ -456,10 +472,12 @@ def check(args):
     for k in NON_NEGATIVE:
         if not (_finite(getattr(args, k)) and getattr(args, k) >= 0):
             problems.append(f"{flag(k)}: must be a finite number >= 0")
+    if args.mem_cap_gb is not None and not (_finite(args.mem_cap_gb) and args.mem_cap_gb > 0):
+        problems.append(f"--mem-cap-gb {args.mem_cap_gb}: a number of GB > 0")
     if isinstance(args.overlong_buffer, int) and isinstance(args.max_new_tokens, int) and \
             not 0 <= args.overlong_buffer <= args.max_new_tokens:
         problems.append(f"--overlong-buffer {args.overlong_buffer} must be within [0, --max-new-tokens]")
-    targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
+    targets = lora_targets(args)
     unknown = [t for t in targets if t not in lora.TARGETS]
     if not targets or unknown:
         problems.append(f"--lora-targets {args.lora_targets}: {', '.join(unknown) or 'nothing'} matches no linear of "

@@ -27,6 +27,7 @@ hash is kept too: a resume refuses training data that changed under it.
 """
 import fcntl
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -55,10 +56,8 @@ class RunLock:
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(self.fd, 200, 0).decode(errors="replace").strip() or "another process"
             os.close(self.fd)
-            raise hub.OutputError(f"{out} is in use by a run that is still going ({holder}); wait for it to end or "
-                                  f"stop it, then resume it with --resume {out}") from None
+            raise hub.OutputError(in_use(out)) from None
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, f"pid {os.getpid()} on {os.uname().nodename}".encode(), 0)
 
@@ -66,6 +65,18 @@ class RunLock:
         if self.fd is not None:
             os.close(self.fd)  # (closing the last descriptor releases the flock)
             self.fd = None
+
+
+def in_use(out):
+    """The line that refuses `out` while a live process holds its lock, naming the process (as the lock file
+    names its holder)."""
+    try:
+        with open(os.path.join(out, LOCK), errors="replace") as f:
+            holder = f.read(200).strip()
+    except OSError:
+        holder = ""
+    return (f"{out} is in use by a run that is still going ({holder or 'another process'}); wait for it to end or "
+            f"stop it, then resume it with --resume {out}")
 
 
 def is_live(out):
@@ -174,16 +185,30 @@ def save_checkpoint(out, model, optimizer, scheduler, state):
     before stays as checkpoint.old. Signals that would kill the process are held off during the swap. A
     write that fails (a full disk) removes checkpoint.tmp and raises hub.OutputError: the run stops with
     its last checkpoint intact. What it holds: adapter/ (PEFT), state.pt (the optimizer's and scheduler's
-    state and the RNGs) and state.json (`state`: step, data position, ...)."""
+    state and the RNGs) and state.json (`state`: step, data position, ..., and samples.jsonl's lines)."""
     tmp, final, old = (os.path.join(out, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.old"))
+    samples, lines = os.path.join(out, "samples.jsonl"), 0  # (a resume cuts samples.jsonl back to its lines)
+    if os.path.exists(samples):
+        with open(samples) as f:
+            lines = sum(1 for _ in f)
+    state = {**state, "samples_lines": lines}
     shutil.rmtree(tmp, ignore_errors=True)
+    last = find_checkpoint(out)
+    kept = f"the last checkpoint, {last}, is kept" if last else "no checkpoint was written"
     try:
-        with hub.writing(tmp, kept=f"the last checkpoint, {final}, is kept" if find_checkpoint(out) else None):
+        with hub.writing(tmp, kept=kept):
             os.makedirs(tmp)
-            adapters.save_adapter(model, os.path.join(tmp, "adapter"))
+            try:
+                adapters.save_adapter(model, os.path.join(tmp, "adapter"))
+            except hub.OutputError as e:  # (its line ends with what it kept of an adapter: say what the run keeps)
+                raise hub.OutputError(f"{str(e).rsplit('; ', 1)[0]}; {kept}") from None
             rng, rng_meta = rng_state()
-            torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng},
-                       os.path.join(tmp, "state.pt"))
+            # (through a buffer: torch.save's own file writer reports a full disk as a RuntimeError, where a plain
+            # write raises the OSError that hub.writing turns into one line)
+            buffer = io.BytesIO()
+            torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng}, buffer)
+            with open(os.path.join(tmp, "state.pt"), "wb") as f:
+                f.write(buffer.getbuffer())
             hub.write_json(os.path.join(tmp, "state.json"), {**state, "rng": rng_meta})
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -208,7 +233,7 @@ def find_checkpoint(out):
     return None
 
 
-STATE_FIELDS = {"step": int, "data_pos": int, "samples_lines": int, "run_id": str}
+STATE_NUMBERS = ("step", "data_pos", "samples_lines", "baseline_accuracy")  # what state.json must hold, each >= 0
 
 
 def read_checkpoint(path, run_id=None):
@@ -232,9 +257,13 @@ def read_checkpoint(path, run_id=None):
         raise ValueError(f"{js} is missing or damaged ({type(e).__name__}: {e})") from None
     if not isinstance(tensors, dict) or not {"optimizer", "scheduler", "rng"} <= set(tensors):
         raise ValueError(f"{pt} is not a train.py checkpoint (it lacks the optimizer, scheduler or RNG state)")
-    if not isinstance(state, dict) or any(not isinstance(state.get(k), t) for k, t in STATE_FIELDS.items()
-                                          if k in state or k == "step"):
-        raise ValueError(f"{js} is damaged: its fields are not those a checkpoint writes (step, data_pos, ...)")
+    if not isinstance(state, dict):
+        raise ValueError(f"{js} is damaged: not the object a checkpoint writes (step, data_pos, ...)")
+    bad = [k for k in STATE_NUMBERS if isinstance(state.get(k), bool) or not isinstance(state.get(k), (int, float))
+           or not state[k] >= 0 or (k != "baseline_accuracy" and not isinstance(state[k], int))]
+    if bad or not isinstance(state.get("run_id"), (str, type(None))):
+        raise ValueError(f"{js} is damaged: {', '.join(bad) or 'run_id'} missing or not what a checkpoint writes "
+                         f"(a count >= 0, an accuracy, a run id)")
     if state.get("run_id") != run_id:
         raise ValueError(f"{path} belongs to another run (its run id {state.get('run_id')} is not args.json's "
                          f"{run_id}); a run resumes only from checkpoints it wrote")
@@ -271,7 +300,7 @@ def resume_point(out, run_id, steps, data):
     """(path, state) of the checkpoint a --resume continues from, after checking that nothing runs in the
     folder, that the run is not finished at `steps`, and that its --data file is the one it trained on."""
     if is_live(out):
-        raise ValueError(f"{out} is in use by a run that is still going; wait for it to end or stop it")
+        raise hub.OutputError(in_use(out))
     path, state = load_checkpoint(out, run_id)
     finished = summary_steps(out) == state["step"]  # (its own summary, not an extended run's shorter one)
     if state["step"] >= steps and (finished or state["step"] > steps):
@@ -283,10 +312,11 @@ def resume_point(out, run_id, steps, data):
     return path, state
 
 
-def restore(checkpoint, model, optimizer, scheduler, out, main=True):
+def restore(checkpoint, model, optimizer, scheduler, out, args, main=True):
     """A resumed run's state from its checkpoint (path, state): the adapter and trained norms into `model`,
     the optimizer's and scheduler's state, every RNG; its logs cut back to the checkpoint's step (rank 0,
-    `main`, alone writes). → (step, data position, baseline (accuracy, strict), the metrics rows so far)."""
+    `main`, alone writes), and a line that says so with the settings the run keeps (args) and what the
+    command line changed. → (step, data position, baseline (accuracy, strict), the metrics rows so far)."""
     path, state = checkpoint
     adapters.load_adapter(model, os.path.join(path, "adapter"))
     optimizer.load_state_dict(state["optimizer"])
@@ -299,6 +329,10 @@ def restore(checkpoint, model, optimizer, scheduler, out, main=True):
         with open(metrics) as f:
             rows = [json.loads(line) for line in f]
     baseline = state["baseline_accuracy"], state.get("baseline_accuracy_strict")
+    changed = "; changed: " + ", ".join(f"--{k.replace('_', '-')} {a} -> {b}" for k, (a, b) in args.changed.items()) \
+        if args.changed else ""
+    print(f"resumed {out} at step {state['step']} from {path}, keeping its settings (args.json: recipe {args.recipe}, "
+          f"model {args.model}, {args.quant}, {args.algo}, data {args.data}, seed {args.seed}){changed}")
     return state["step"], state["data_pos"], baseline, rows
 
 
@@ -321,7 +355,7 @@ def write_summary(out, summary):
     if os.path.exists(path) and earlier != summary["steps"]:
         os.replace(path, os.path.join(out, f"summary.{earlier or 'unknown'}-steps.json"))
     with hub.writing(path, kept="the run's checkpoint, metrics and adapter are kept"):
-        hub.write_json(path, summary)
+        hub.write_json(path, summary)  # (a failed write leaves no partial file)
 
 
 class WallTime:
@@ -344,3 +378,16 @@ class WallTime:
         hub.write_json(self.path, {"parts_s": self.parts})
         return sum(self.parts)
 
+
+def check_finite(params, step, skipped, out):
+    """Divergence stops the run, its last checkpoint kept (no later one is written): trainable parameters
+    that hold NaN or infinity, or a loss or gradient non-finite three steps in a row (one such step is
+    skipped, as a bad batch can be)."""
+    bad = [i for i, p in enumerate(params) if not bool(torch.isfinite(p).all())]
+    if bad or len(skipped) >= 3:
+        why = (f"{len(bad)} trainable tensors hold NaN or infinity after step {step - 1}" if bad else
+               f"the loss or gradient was non-finite at steps {', '.join(map(str, skipped[-3:]))}")
+        last = find_checkpoint(out)
+        raise SystemExit(f"train.py: the run diverged: {why}. "
+                         + (f"Its last good checkpoint is {last}; " if last else "No checkpoint was written before; ")
+                         + "start a new run with a lower --lr (or a smaller --grad-clip)")

@@ -18,27 +18,22 @@ One step (QeRL, arXiv 2510.11696, Sec. 3), each stage one call in `main`:
                    (eval.heldout), a checkpoint every --save-every (runs.py)
 
 Where the rest lives: the settings and the named recipes, each value with its source, in recipes.py
-(`python recipes.py` prints them); the run folder, its lock, checkpoints and resume in runs.py; the
-metrics, plot and live logging in logs.py; the trainer's logprobs and micro-batches in logprobs.py; what a
-step holds in memory in memory.py; data-parallel ranks in ddp.py; the algorithms in grpo.py and dapo.py.
+(`python recipes.py` prints them); the run folder, its lock, checkpoints and resume in runs.py; metrics,
+plots and live logging in logs.py; the trainer's logprobs in logprobs.py; the step's memory and its plan
+in memory.py; data-parallel ranks in ddp.py; the algorithms in grpo.py and dapo.py.
 
-Outputs, all under --out (default runs/<timestamp>-<run id>): metrics.jsonl (a line a step), samples.jsonl
-(a few completions a step), curves.png, summary.json (baseline_accuracy, final_accuracy, wall time),
-adapter/ (PEFT), checkpoint/ every --save-every steps. `--resume DIR` continues a run exactly; a larger
---steps extends it (runs.py, recipes.RESUMABLE).
+Outputs under --out (default runs/<timestamp>-<run id>): metrics.jsonl (a line a step), samples.jsonl,
+curves.png, summary.json, adapter/ (PEFT), checkpoint/ every --save-every steps. `--resume DIR` continues
+a run exactly; a larger --steps extends it.
 
-Several GPUs (or CPU processes): `torchrun --nproc_per_node=N train.py ...` runs N ranks on one global batch
-of --prompts prompts. Each rank samples, grades and trains on its block of every round's prompts; every
-rank learns every group's rewards, so dynamic sampling fills the global batch and the advantages are the
-global batch's; the loss is divided by the global batch's token or sequence count and the gradients are
-summed over the ranks: the one-process step over the same batch, up to float rounding (ddp.py derives it;
-tests/test_ddp.py checks it). Rank 0 alone prints and writes.
+`torchrun --nproc_per_node=N train.py ...`: N ranks on one global batch of --prompts prompts. Each samples,
+grades and trains on its block of every round; every rank learns every group's rewards, so dynamic
+sampling and the advantages are the global batch's, and the summed gradients give the one-process step up
+to float rounding (ddp.py derives it; tests/test_ddp.py checks it). Rank 0 alone prints and writes.
 
-On a GPU the update runs each decoder block through torch.compile (--no-compile to stay eager), and
-recomputes activations in backward only where a micro-batch would not fit (memory.checkpointing_on).
-Departures from the official QeRL code (recipes.py has the rest): AQN's noise really reaches the rollout
-model (tests/test_aqn.py); the held-out evaluation applies the trained adapter and norms (tests/test_eval.py).
-Every step logs the sampler-trainer mismatch (mismatch_kl, mismatch_ratio_max, tis_clip_frac; grpo.py).
+On a GPU the step is planned into the GPU's memory before the model loads (memory.plan, printed at start)
+and the update's blocks run through torch.compile (--no-compile: eager). Departures from the official code
+are in recipes.py; every step logs the sampler-trainer mismatch (grpo.py).
 """
 import contextlib
 import math
@@ -48,6 +43,7 @@ import time
 import uuid
 import warnings
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from tqdm import tqdm
@@ -66,8 +62,8 @@ import rollout
 import runs
 import tasks
 from adapters import load_policy, save_adapter
-from data import PromptStream, load_dataset
-from eval import heldout
+from data import PromptEncoder, PromptStream, load_dataset
+from eval import heldout, positions_of, too_long
 from hub import resolve_device, stop_on_bad_input, stop_token_ids
 from logprobs import completion_logprobs, micro_batches
 from model import read_config
@@ -93,16 +89,22 @@ class Group:
     texts: list = None
 
 
-def sample(model, prompts, args, stop_ids, sigma, noise_seed, seed):
+def sample(model, prompts, args, stop_ids, sigma, noise_seed, seed, per_call=None, keep_cache=True):
     """Stage 1: args.group_size completions of each prompt at the rollout's temperature and top-p, with AQN's
     noise of std `sigma` on the norms (None: AQN off), drawn from noise_seed, the same for every round of a
-    step. → rollout.Rollout."""
+    step; in rollout.generate calls of `per_call` prompts (the memory plan's; None: one call), each row with
+    the key it has in one call, so the rows are the same. → rollout.Rollout."""
     model.eval()
     gen = torch.Generator(model.device if model.device.type == "cuda" else "cpu").manual_seed(noise_seed)
     noisy = aqn.noise(model, sigma, gen) if sigma is not None else contextlib.nullcontext()
+    per_call, G = per_call or len(prompts), args.group_size
     with torch.no_grad(), noisy:
-        return rollout.generate(model, prompts, n=args.group_size, max_new_tokens=args.max_new_tokens,
-                                temperature=args.temperature, top_p=args.top_p, stop_ids=stop_ids, seed=seed)
+        parts = [rollout.generate(model, prompts[i:i + per_call], n=G, max_new_tokens=args.max_new_tokens,
+                                  temperature=args.temperature, top_p=args.top_p, stop_ids=stop_ids,
+                                  seed=ddp.shift_seed(seed, i * G)) for i in range(0, len(prompts), per_call)]
+    if not keep_cache:  # (the plan has no room for the cache beside the update: the next call rebuilds it)
+        rollout.release(model)
+    return parts[0] if len(parts) == 1 else rollout.concat(parts)
 
 
 def reward(items, ro, texts, lo, args, world, device):
@@ -197,8 +199,10 @@ class UpdateConfig:
     fp8: bool = False
 
 
-def update_config(args):
-    return UpdateConfig(args.max_new_tokens, args.temperature, args.update_passes, args.micro_batch, args.logp_chunk,
+def update_config(args, plan=None):
+    """The update's settings from train.py's, with the memory plan's micro-batch and logprob chunk (a GPU's)."""
+    return UpdateConfig(args.max_new_tokens, args.temperature, args.update_passes,
+                        plan.micro_batch if plan else args.micro_batch, plan.logp_chunk if plan else args.logp_chunk,
                         args.checkpointing, args.eps_low, args.eps_high, args.beta, args.loss_agg, args.ratio,
                         args.tis_cap, args.grad_clip, args.fp8_update)
 
@@ -246,14 +250,7 @@ def update(cfg, model, optimizer, params, batch, world=ddp.World(), noise=None):
                                             entropy=ent, is_weight=is_weight, sampler_logp=batch.sampler_logp[sl],
                                             tis_cap=cfg.tis_cap)
                 loss.backward()
-                # Loss parts already add up across micro-batches; per-token means are re-weighted by tokens; a
-                # maximum is the largest of the micro-batches'.
-                w = lm["tokens"] / max(1, num_tokens)
-                for k, v in lm.items():
-                    if k.endswith("_max"):
-                        sums[k] = max(sums.get(k, v), v)
-                    elif k not in ("tokens", "seqs"):
-                        sums[k] = sums.get(k, 0.0) + (v if k in ("loss", "pg_loss", "kl_loss") else v * w)
+                grpo.add_metrics(sums, lm, num_tokens)
         ddp.all_reduce_grads(params, world)  # (the sum over the ranks: the global loss's gradient, on every rank)
         sums = ddp.reduce_metrics(sums, world)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
@@ -294,19 +291,30 @@ def lr_lambda(warmup_steps, schedule_steps, min_lr_ratio):
 # The run
 # ---------------------------------------------------------------------------------------------
 
-class PromptEncoder:
-    """A problem's prompt tokens as the task asks it (tasks.get_task: the chat template, in the prompt style
-    of recipes.prompt_style); each question encoded once and kept."""
-
-    def __init__(self, tokenizer, args):
-        self.tokenizer, self.args, self.ids = tokenizer, args, {}
-
-    def __call__(self, item):
-        q = item["question"]
-        if q not in self.ids:
-            style = recipes.prompt_style(self.args, item["kind"])
-            self.ids[q] = tasks.get_task(item["kind"], style).prompt_ids(self.tokenizer, q)
-        return self.ids[q]
+def plan_step(args, model_dir, data, cap, world):
+    """Before the model loads: the longest prompts of --data and --eval-data with their completion budgets
+    against the model's positions, and on a GPU the step planned into `cap` bytes (memory.plan; printed):
+    this rank's share of --prompts, the micro-batch and logprob chunk lowered where they do not fit, or the
+    setting to lower named. cap None (the CPU, where memory is not measured): no plan. → memory.Plan or None."""
+    cfg = read_config(model_dir)[2]
+    encode = PromptEncoder(hub.load_tokenizer(model_dir), partial(recipes.prompt_style, args))
+    longest = [max(len(encode(it)) for it in sorted(items, key=lambda it: len(it["question"]))[-256:])
+               for items in data]  # (the longest in tokens is among the 256 longest in characters)
+    for flag, n, budget in (("--max-new-tokens", longest[0], args.max_new_tokens),
+                            ("--eval-max-new-tokens", longest[1], args.eval_max_new_tokens)):
+        if too_long(n, budget, positions_of(cfg)):
+            raise ValueError(too_long(n, budget, positions_of(cfg)).replace("max_new_tokens", flag, 1))
+    if cap is None:
+        return None
+    plan = memory.plan(cfg, cap, prompts=-(-args.prompts // world.size), group_size=args.group_size,
+                       prompt_len=longest[0], max_new_tokens=args.max_new_tokens, micro_batch=args.micro_batch,
+                       lora_rank=args.lora_rank, logp_chunk=args.logp_chunk, quant=args.quant,
+                       lora_targets=recipes.lora_targets(args), train_norms=args.train_norms, checkpointing=args.checkpointing,
+                       title=f"{args.model}, {args.quant}")
+    print(plan.describe())
+    if not plan.fits:
+        raise ValueError(f"the step does not fit in {cap / 1e9:.1f} GB of GPU memory: " + "; ".join(plan.problems))
+    return plan
 
 
 def main(argv=None):
@@ -336,22 +344,25 @@ def main(argv=None):
                 raise ValueError(f"{name} holds no problems")
         checkpoint = runs.resume_point(out, getattr(args, "run_id", None), args.steps, args.data) \
             if args.resume else None
+        plan = plan_step(args, model_dir, data, memory.gpu_budget(device, args.mem_cap_gb)
+                         if device.type == "cuda" else None, world)
         lock = runs.open_run(out, getattr(args, "run_id", None), args.resume, [model_dir, args.data, args.eval_data],
                              args.force) if world.main else None
     try:
-        return run(args, model_dir, data, checkpoint, out, world, device)
+        return run(args, model_dir, data, checkpoint, out, world, device, plan)
     finally:
         if lock is not None:
             lock.release()
 
 
-def run(args, model_dir, data, checkpoint, out, world, device):
-    """Load the policy, then the loop of stages; → the summary (rank 0) or None."""
+def run(args, model_dir, data, checkpoint, out, world, device, plan=None):
+    """Load the policy, then the loop of stages (their memory laid out by `plan`, on a GPU); → the summary
+    (rank 0) or None."""
     torch.manual_seed(args.seed)
     with stop_on_bad_input("train.py"):  # (a damaged weight file names itself)
         model, tokenizer = load_policy(model_dir, quant=args.quant, device=device)  # (bf16 on a GPU, fp32 on CPU)
     params = lora.apply_lora(model, rank=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout,
-                             targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()))
+                             targets=recipes.lora_targets(args))
     norms = lora.train_norms(model) if args.train_norms else []  # (float32, updated in place: the rollout reads them)
     model.compile_blocks = compile_backend(device, args.no_compile)
     # Weight decay on LoRA only: decaying a norm weight pulls it towards 0, not towards its base value (the
@@ -362,7 +373,8 @@ def run(args, model_dir, data, checkpoint, out, world, device):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, args.schedule_steps,
                                                                        args.min_lr_ratio))
     schedule = aqn.AQNSchedule(args.schedule_steps, args.aqn_stages, args.sigma_start, args.sigma_end)
-    encode, ucfg, stops = PromptEncoder(tokenizer, args), update_config(args), stop_token_ids(tokenizer)
+    encode = PromptEncoder(tokenizer, partial(recipes.prompt_style, args))
+    ucfg, stops = update_config(args, plan), stop_token_ids(tokenizer)
     train_items, eval_items = data
     evaluate = lambda: heldout(model, tokenizer, eval_items, seed=args.seed + 1_000_003, samples=args.eval_samples,
                                temperature=args.eval_temperature, top_p=args.eval_top_p,
@@ -373,11 +385,8 @@ def run(args, model_dir, data, checkpoint, out, world, device):
     metrics_path, samples_path = os.path.join(out, "metrics.jsonl"), os.path.join(out, "samples.jsonl")
     if checkpoint:
         with stop_on_bad_input("train.py"):
-            step, stream.pos, baseline, rows = runs.restore(checkpoint, model, optimizer, scheduler, out, world.main)
-        changed = "; changed: " + ", ".join(f"--{k.replace('_', '-')} {a} -> {b}" for k, (a, b) in args.changed.items()) \
-            if args.changed else ""
-        print(f"resumed {out} at step {step} from {checkpoint[0]}, keeping its settings (args.json: recipe "
-              f"{args.recipe}, model {args.model}, {args.quant}, {args.algo}, data {args.data}, seed {args.seed}){changed}")
+            step, stream.pos, baseline, rows = runs.restore(checkpoint, model, optimizer, scheduler, out, args,
+                                                            world.main)
     elif world.main:
         for p in (metrics_path, samples_path):
             open(p, "w").close()
@@ -404,7 +413,8 @@ def run(args, model_dir, data, checkpoint, out, world, device):
             lo, hi = ddp.shard(len(items), world)  # (this rank's block; its rows keep their one-process keys)
             seed = ddp.shift_seed(args.seed * 7919 + step * 31 + rounds, lo * args.group_size)
             ro = sample(model, [encode(it) for it in items[lo:hi]], args, stops, sigma if args.aqn else None,
-                        args.seed * 1_000_003 + step, seed) if hi > lo else None                        # 1. sample
+                        args.seed * 1_000_003 + step, seed, plan and plan.rollout_rows // args.group_size,
+                        not plan or plan.keep_cache) if hi > lo else None                                 # 1. sample
             groups = reward(items, ro, ro.texts(tokenizer) if ro else [], lo, args, world, device)    # 2. reward
             sampled_tokens += int(sum(g.lengths.sum() for g in groups))
             keep = dapo.informative_groups(torch.stack([g.correct for g in groups])) if args.dynamic_sampling \
@@ -428,7 +438,7 @@ def run(args, model_dir, data, checkpoint, out, world, device):
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
             scheduler.step()                                                                             # 6. schedules
         step += 1
-        check_finite(params, step, skipped, out)
+        runs.check_finite(params, step, skipped, out)
         m.update(time_rollout=t_rollout, time_update=time.time() - t0 - t_rollout, time_step=time.time() - t0,
                  rollout_tokens_per_s=sampled_tokens / max(t_rollout, 1e-9), peak_memory_gb=logs.peak_memory_gb(device))
         if args.eval_every and step % args.eval_every == 0 and step < args.steps:                       # 7. record
@@ -450,12 +460,10 @@ def run(args, model_dir, data, checkpoint, out, world, device):
         if step % args.plot_every == 0:
             logs.plot(rows, os.path.join(out, "curves.png"), baseline[0])
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
-            with open(samples_path) as f:
-                samples_lines = sum(1 for _ in f)
             with stop_on_bad_input("train.py"):
                 runs.save_checkpoint(out, model, optimizer, scheduler, {
                     "step": step, "data_pos": stream.pos, "baseline_accuracy": baseline[0],
-                    "baseline_accuracy_strict": baseline[1], "samples_lines": samples_lines,
+                    "baseline_accuracy_strict": baseline[1],
                     "aqn_stage": schedule.stage(step), "run_id": getattr(args, "run_id", None),
                     "data_sha256": runs.data_hash(args.data)})
     bar.close()
@@ -472,31 +480,16 @@ def run(args, model_dir, data, checkpoint, out, world, device):
         save_adapter(model, os.path.join(out, "adapter"), base_model_name_or_path=args.model)
         summary = {"baseline_accuracy": baseline[0], "final_accuracy": final[0], "improvement": final[0] - baseline[0],
                    "baseline_accuracy_strict": baseline[1], "final_accuracy_strict": final[1],
-                   "recipe": args.recipe, "reward": args.reward, "prompt": args.prompt, "aqn": args.aqn,
-                   "steps": args.steps, "wall_time_s": wall.update(), "wall_time_parts_s": wall.parts,
-                   "model": args.model, "quant": args.quant, "algo": args.algo, "data": args.data,
-                   "eval_data": args.eval_data, "eval_items": len(eval_items), "eval_temperature": args.eval_temperature,
-                   "device": str(device), "out": out}
+                   **{k: getattr(args, k) for k in ("recipe", "reward", "aqn", "steps", "model", "quant", "algo", "data",
+                                                    "eval_data", "eval_temperature")},
+                   "prompt": recipes.prompt_style(args, eval_items[0]["kind"]), "eval_items": len(eval_items),
+                   "wall_time_s": wall.update(), "wall_time_parts_s": wall.parts, "device": str(device), "out": out}
         runs.write_summary(out, summary)
     print(f"held-out accuracy: {baseline[0]:.3f} -> {final[0]:.3f} ({100 * (final[0] - baseline[0]):+.1f} points) "
           f"in {summary['wall_time_s']:.0f} s")
     print(f"wrote {out}/metrics.jsonl, summary.json, samples.jsonl, curves.png, adapter/")
     ddp.shutdown(world)
     return summary
-
-
-def check_finite(params, step, skipped, out):
-    """Divergence stops the run, its last checkpoint kept (no later one is written): trainable parameters
-    that hold NaN or infinity, or a loss or gradient non-finite three steps in a row (one such step is
-    skipped, as a bad batch can be)."""
-    bad = [i for i, p in enumerate(params) if not bool(torch.isfinite(p).all())]
-    if bad or len(skipped) >= 3:
-        why = (f"{len(bad)} trainable tensors hold NaN or infinity after step {step - 1}" if bad else
-               f"the loss or gradient was non-finite at steps {', '.join(map(str, skipped[-3:]))}")
-        last = runs.find_checkpoint(out)
-        raise SystemExit(f"train.py: the run diverged: {why}. "
-                         + (f"Its last good checkpoint is {last}; " if last else "No checkpoint was written before; ")
-                         + "start a new run with a lower --lr (or a smaller --grad-clip)")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ a GPU the run is another, in bf16, and some kernels sum in other orders from run
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -115,7 +116,7 @@ def small_checkpoint(out, step, run_id="r"):
     params = lora.apply_lora(m, rank=2, alpha=2)
     opt = torch.optim.AdamW(params, lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    runs.save_checkpoint(str(out), m, opt, sched, {"step": step, "run_id": run_id})
+    runs.save_checkpoint(str(out), m, opt, sched, {"step": step, "run_id": run_id, "data_pos": 0, "baseline_accuracy": 0.5})
 
 
 def test_resume_finds_the_checkpoint_a_crash_left(tmp_path):
@@ -450,10 +451,10 @@ def test_data_without_a_held_out_split_is_refused_before_any_download(tmp_path, 
     data.write_text('{"question": "1+1", "answer": "2"}\n')
     for argv, message in ((["--data", str(data)], f"--data {data} is read as a file, whose items are what the run "
                                                   f"trains on: pass --eval-data FILE or a named test set (gsm8k, "
-                                                  f"math500, aime24, amc23, arith)"),
+                                                  f"math500, aime24, amc23, arith, countdown)"),
                           (["--data", "bigmath"], "--data bigmath has no test split to evaluate on: pass --eval-data"),
                           (["--data", "gsm8k", "--eval-data", "dapo-math"], "--eval-data dapo-math has no test split"),
-                          (["--data", "math500"], "train on arith, gsm8k, bigmath, bigmath-hard, dapo-math or a "
+                          (["--data", "math500"], "train on arith, gsm8k, bigmath, bigmath-hard, dapo-math, countdown or a "
                                                   ".jsonl file, and evaluate on it with --eval-data math500")):
         with pytest.raises(SystemExit) as e:
             train.main(argv + ["--out", str(tmp_path / "run")])
@@ -523,3 +524,63 @@ def test_dynamic_sampling_keeps_the_informative_groups_in_order(tmp_path, monkey
         out = str(tmp_path / flags[-1].strip("-"))
         train.main(common + flags + ["--out", out])
         assert [(r["rounds"], r["filtered_groups"], r["groups"]) for r in read_metrics(out)] == [(1, 0, 3), (1, 0, 3)]
+
+
+def test_the_step_is_planned_into_the_gpu_before_the_model_loads(tmp_path, capsys):
+    """plan_step on the Qwen2.5-72B shape (its config.json beside the tiny tokenizer): in 80 GB the plan is
+    printed and fits; at rank 256 it stops naming the rank that fits, and in 30 GB says nothing fits; on the CPU (no cap) nothing is planned;
+    a completion budget beyond the model's positions is refused naming its flag. Nothing loads weights."""
+    folder = tmp_path / "qwen72b-shape"
+    folder.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(hub.ALIASES["tiny"], f), folder / f)
+    (folder / "config.json").write_text(json.dumps({**M.qwen25_config("72b").raw, "max_position_embeddings": 32768}))
+    args = recipes.parse(["--model", str(folder), "--data", "gsm8k", "--prompts", "8", "--max-new-tokens", "1024"])
+    items = [{"question": "what is " + "1 + " * n + "1?", "answer": "1", "kind": "gsm8k"} for n in range(1, 40)]
+    plan = train.plan_step(args, str(folder), (items, items), 80e9, train.ddp.World())
+    shown = capsys.readouterr().out
+    assert plan.fits and "memory plan" in shown and "NVFP4 linear weights" in shown
+    assert plan.rollout_rows % args.group_size == 0 and plan.rollout_rows >= args.group_size
+    args.lora_rank = 256
+    with pytest.raises(ValueError, match=r"does not fit in 80.0 GB of GPU memory: .*lora_rank \(--lora-rank\) \d+ or lower"):
+        train.plan_step(args, str(folder), (items, items), 80e9, train.ddp.World())
+    with pytest.raises(ValueError, match="no setting of the step fits it on this GPU"):
+        train.plan_step(args, str(folder), (items, items), 30e9, train.ddp.World())
+    assert train.plan_step(args, str(folder), (items, items), None, train.ddp.World()) is None
+    args.max_new_tokens = 40000
+    with pytest.raises(ValueError, match="--max-new-tokens 40000: the longest prompt has"):
+        train.plan_step(args, str(folder), (items, items), None, train.ddp.World())
+
+
+def test_a_rollout_in_several_calls_is_the_rollout_in_one():
+    """train.sample in calls of the memory plan's size: each call's rows keep the keys they have in one call
+    (ddp.shift_seed), so the completions and finish reasons are the one call's, and the logprobs up to the
+    rounding of another batch shape."""
+    model, tokenizer = adapters.load_policy("tiny", quant="nvfp4")
+    args = recipes.parse(["--group-size", "3", "--max-new-tokens", "12"])
+    prompts = [tokenizer.encode(f"{a}+{a}=") for a in range(5)]
+    one = train.sample(model, prompts, args, hub.stop_token_ids(tokenizer), None, 0, 1234)
+    split = train.sample(model, prompts, args, hub.stop_token_ids(tokenizer), None, 0, 1234, per_call=2,
+                         keep_cache=False)
+    assert torch.equal(split.lengths, one.lengths) and split.finish == one.finish
+    assert torch.equal(split.prompt_index, one.prompt_index)
+    T = int(one.lengths.max())
+    assert torch.equal(split.tokens[:, :T] * one.mask[:, :T], one.tokens[:, :T] * one.mask[:, :T])
+    # The logprobs: the same tokens' under another batch shape, whose float32 sums (of up to 128 terms: the
+    # hidden size) may round in another order: within 128 units of float32 rounding of the value's size.
+    bound = 128 * torch.finfo(torch.float32).eps * (1 + one.logprobs[:, :T].abs())
+    assert ((split.logprobs[:, :T] - one.logprobs[:, :T]).abs() <= bound).all()
+
+
+def test_a_16_bit_run_logs_no_noise_and_an_nvfp4_run_does(tmp_path):
+    """`train.py --quant bf16 --steps 3` logs sigma 0 at every step, with AQN off in its summary; the NVFP4 run
+    with the same settings draws noise after its noise-free first stage."""
+    sigmas = {}
+    for quant in ("bf16", "nvfp4"):
+        out = tmp_path / quant
+        summary = train.main(["--quant", quant, "--steps", "3", "--aqn-stages", "3", "--eval-limit", "4",
+                              "--prompts", "4", "--group-size", "2", "--max-new-tokens", "8", "--out", str(out)])
+        sigmas[quant] = [m["sigma"] for m in read_metrics(out)]
+        assert summary["aqn"] is (quant == "nvfp4")
+    assert sigmas["bf16"] == [0.0, 0.0, 0.0]
+    assert sigmas["nvfp4"][0] == 0.0 and all(s > 0 for s in sigmas["nvfp4"][1:]), sigmas
