@@ -42,7 +42,12 @@ so stage 1 has sigma_start and stage K-1 sigma_end (with K = 2 the only noisy st
 sigma_start). Defaults sigma_start 1e-2, sigma_end 1e-4, K = 10: the official training scripts
 (training/dapo_qwen2.5-*_nvfp4_single_gpu.sh), the code released with the paper; the paper's text
 says sigma_end 5e-4 (pass it to compare). The official trainer computes the same stages
-(trl_trainer/noise_scheduler.py: K intervals of total_steps / K, the first without noise).
+(trl_trainer/noise_scheduler.py: K intervals of total_steps / K, the first without noise), with one
+difference of counting: its steps count from 1 (replacement/trainer.py increments update_step before
+the first rollout), ours from 0, so each of its stage boundaries comes one step earlier. Over the
+paper's 500 steps that is stage 0 with 49 noise-free steps instead of 50 and the last stage with 51
+instead of 50: a shift of one step in 50, kept rather than matched, because matching it moves every
+boundary of the tiny demo's 30-step run (stages of 3 steps) and the curve the README reports.
 
 Trained norms. With --train-norms (the official --ln True) the norm weights are parameters that the
 optimizer moves; the noise is drawn around their current values at each rollout and the exact
@@ -66,13 +71,19 @@ saved copies are copy_()'d back on exit, instead of swapping in new tensors: a d
 in a CUDA graph (engine/decode.py) replays reads of fixed addresses, so only an in-place change is seen by
 the replay, and the restore is exact because it copies the saved bits rather than subtracting Z.
 
-Departure from the official code, and the test for it. The official QeRL code finds the norms to
+Departures from the official code, and the tests for them. The official QeRL code finds the norms to
 perturb by isinstance against the transformers RMSNorm class, but it runs its rollout in vLLM, whose
 models use vLLM's own RMSNorm class: the match finds nothing and, as far as we can read, AQN adds no
 noise at all, silently. Here norms are found by their role in the decoder (the modules named
 input_layernorm / post_attention_layernorm, and norm), which holds for our model, transformers' and
 vLLM's alike, and noise() raises when it finds none, when the count is not 2 per decoder layer, or
 when a noisy call leaves a norm unchanged. tests/test_aqn.py checks the count and that logits move.
+Were the official match to succeed, it would noise every RMSNorm, the final one before lm_head included,
+by add_() into vLLM's weights and never take the noise out: each rollout's draw would add to the last
+ones (a random walk whose std grows as the square root of the steps) unless something loads the
+trainer's norm weights into vLLM again between rollouts, which we could not find on its LoRA path (it
+hands vLLM the adapters). Here each rollout draws fresh noise around the exact weights and restores
+them bit for bit, on the two norms of every block (final_norm=True adds the final one).
 """
 import argparse
 import math
@@ -184,7 +195,11 @@ def noise(model, sigma, generator=None, final_norm=False):
                     w.add_((z * sigma).to(device=w.device, dtype=w.dtype))
                     modified += int(not torch.equal(w, saved[name]))
         if sigma > 0 and modified != len(weights):
-            raise RuntimeError(f"AQN: sigma={sigma:g} left {len(weights) - modified} of {len(weights)} norms unchanged")
+            largest = max(float(s.abs().max()) for s in saved.values())
+            hint = (f": their weights reach {largest:.3g}, where float32 cannot hold a change of sigma; a norm weight "
+                    f"is about 1, so the run has diverged (lower --lr)") if largest > 2**20 * sigma else ""
+            raise RuntimeError(f"AQN: sigma={sigma:g} left {len(weights) - modified} of {len(weights)} norms "
+                               f"unchanged{hint}")
         yield NoiseInfo(float(sigma), list(weights), modified)
     finally:
         with torch.no_grad():

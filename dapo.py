@@ -14,12 +14,9 @@ keeps GRPO's group-relative advantages (grpo.group_advantages) and changes four 
    number of informative groups:  0 < |{o_i : correct}| < G.
 
        informative_groups(rewards)               (num_groups, G) -> (num_groups,) bool
-       collect_informative(sample_fn, want, max_rounds)
 
-   The protocol of collect_informative: sample_fn(round) -> (items, rewards) with items a list of
-   num_groups per-group objects (whatever the caller needs later: prompts, tokens, logprobs...)
-   and rewards a (num_groups, G) tensor; it returns (items, rewards, report) with only informative
-   groups, in the order sampled, truncated to `want`.
+   The rounds themselves are train.py's loop (sample, reward, filter, until the step holds --prompts
+   informative groups or --max-sampling-rounds have run), kept there so that a reader sees them.
 
 3. Token-level policy gradient loss (§3.3). GRPO averages tokens within a sequence, then averages
    sequences, so a token of a long completion weighs less than one of a short completion: long
@@ -48,8 +45,8 @@ model, so beta = 0 and no reference forward is needed.
 
 What is kept and what is not, and why:
 - Kept: all four techniques and beta = 0, with the paper's defaults (0.2 / 0.28, token-mean).
-- Dynamic sampling here PROCEEDS with what it has after max_rounds and reports that it fell short
-  (the caller prints "fell short"); the paper just keeps sampling and verl's DAPO recipe raises an
+- Dynamic sampling in train.py PROCEEDS with what it has after --max-sampling-rounds and says that it
+  fell short; the paper just keeps sampling and verl's DAPO recipe raises an
   error after its maximum number of generation batches. For a small single-GPU run, training on a
   slightly smaller batch beats crashing or looping forever on a task that became too easy/hard.
 - The filter looks at whatever rewards the caller passes. The paper's rewards are ±1 correctness;
@@ -67,8 +64,6 @@ What is kept and what is not, and why:
   the dual clip (verl's, not DAPO's) is available through grpo.policy_loss's dual_clip, off here.
 Pure torch plus grpo.py; tested alone in tests/test_dapo.py.
 """
-from dataclasses import dataclass
-
 import torch
 
 import grpo
@@ -91,62 +86,6 @@ def informative_groups(rewards):
     if rewards.shape[1] == 0:
         return torch.zeros(rewards.shape[0], dtype=torch.bool, device=rewards.device)
     return rewards.amax(dim=1) != rewards.amin(dim=1)
-
-
-@dataclass
-class CollectReport:
-    """What collect_informative did; fell_short means fewer than `want` groups came back."""
-    rounds: int  # calls made to sample_fn
-    groups_seen: int  # groups returned by sample_fn over all rounds
-    groups_filtered: int  # of those, dropped as uninformative (all rewards equal)
-    groups_kept: int  # returned to the caller (<= want)
-    groups_surplus: int  # informative groups beyond `want`, dropped by the truncation
-    want: int
-    fell_short: bool
-
-
-def collect_informative(sample_fn, want, max_rounds):
-    """Call sample_fn(round) for round = 0, 1, ... and keep informative groups until `want` are held.
-
-    sample_fn(round) -> (items, rewards): items a list with one entry per group, rewards a
-    (num_groups, G) tensor (G fixed across rounds). Stops once `want` informative groups are held or
-    after `max_rounds` calls, whichever comes first. Returns (items, rewards, report): the first
-    `want` informative groups in sampling order (fewer if it fell short), their (k, G) rewards, and a
-    CollectReport.
-    """
-    if want < 0 or max_rounds < 1:
-        raise ValueError(f"need want >= 0 and max_rounds >= 1, got want={want}, max_rounds={max_rounds}")
-    kept_items, kept_rewards = [], []
-    seen = filtered = held = rounds = 0
-    template = None  # the first round's rewards: every later round must have its group size G
-    while held < want and rounds < max_rounds:
-        items, rewards = sample_fn(rounds)
-        rounds += 1
-        items = list(items)
-        if rewards.dim() != 2 or rewards.shape[0] != len(items):
-            raise ValueError(f"sample_fn returned {len(items)} items and rewards of shape "
-                             f"{tuple(rewards.shape)}; want (num_items, G)")
-        if template is None:
-            template = rewards
-        elif rewards.shape[1] != template.shape[1]:
-            raise ValueError(f"group size changed between rounds: {template.shape[1]} then {rewards.shape[1]}")
-        keep = informative_groups(rewards)  # (num_groups,)
-        seen += len(items)
-        filtered += int((~keep).sum())
-        idx = keep.nonzero().flatten().tolist()
-        kept_items.extend(items[i] for i in idx)
-        kept_rewards.append(rewards[keep])  # (k_round, G)
-        held += len(idx)
-    surplus = max(held - want, 0)
-    out_items = kept_items[:want]
-    if kept_rewards:
-        out_rewards = torch.cat(kept_rewards, dim=0)[:want]  # (k, G)
-    else:  # want == 0: nothing was sampled
-        out_rewards = torch.zeros(0, 0)
-    report = CollectReport(rounds=rounds, groups_seen=seen, groups_filtered=filtered,
-                           groups_kept=len(out_items), groups_surplus=surplus, want=want,
-                           fell_short=len(out_items) < want)
-    return out_items, out_rewards, report
 
 
 def overlong_penalty(lengths, max_len, cache_len, dtype=None):

@@ -51,6 +51,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 import tasks
 
 @dataclass(frozen=True)
@@ -306,6 +308,39 @@ def load_dataset(name_or_path, split="test", limit=None, data_dir=None):
     if path.is_file():
         return read_jsonl(path, limit=limit)
     raise FileNotFoundError(f"{name!r} is neither a dataset name ({', '.join(DATASETS)}) nor a file")
+
+
+
+class PromptEncoder:
+    """A problem's prompt tokens as its task asks it (tasks.get_task: the chat template, in the prompt style
+    `style(kind)` names); each question encoded once and kept."""
+
+    def __init__(self, tokenizer, style):
+        self.tokenizer, self.style, self.ids = tokenizer, style, {}
+
+    def __call__(self, item):
+        q = item["question"]
+        if q not in self.ids:
+            self.ids[q] = tasks.get_task(item["kind"], self.style(item["kind"])).prompt_ids(self.tokenizer, q)
+        return self.ids[q]
+
+
+class PromptStream:
+    """Training problems in a seeded random order, epoch after epoch; `pos` is all the state."""
+
+    def __init__(self, items, seed, pos=0):
+        self.items, self.seed, self.pos = items, seed, pos
+        self.epoch, self.order = None, None  # the current epoch's permutation, derived from seed + epoch
+
+    def take(self, n):
+        out = []
+        for _ in range(n):
+            epoch, i = divmod(self.pos, len(self.items))
+            if epoch != self.epoch:
+                self.epoch, self.order = epoch, np.random.default_rng(self.seed + epoch).permutation(len(self.items))
+            out.append(self.items[self.order[i]])
+            self.pos += 1
+        return out
 
 
 def main(argv=None):

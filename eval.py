@@ -236,6 +236,29 @@ def too_long(longest_prompt, max_new_tokens, positions):
             f"{positions} positions (max_position_embeddings in its config.json), so at most {room} new tokens fit")
 
 
+def heldout(model, tokenizer, items, *, seed, samples=1, temperature=0.6, top_p=0.95, max_new_tokens=None,
+            prompt="ours", world=None):
+    """A training run's held-out accuracy, graded leniently and strictly: evaluate over `items`, its batch b
+    sampled with seed + b. Under several ranks (a ddp.World) each runs some of the batches with those same
+    seeds, so the counts are the single-process ones (ddp.map_batches). → (accuracy, strict accuracy)."""
+    model.eval()
+    kw = dict(samples=samples, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, prompt=prompt)
+    if world is None or world.size == 1:
+        res = evaluate(model, tokenizer, items, seed=seed, **kw)
+        return res["accuracy"], res["accuracy_strict"]
+    import ddp
+
+    per_batch = max(1, default_batch(model.device) // samples)  # (evaluate's batches: the same seeds)
+
+    def right(b, start, end):
+        recs = evaluate(model, tokenizer, items[start:end], seed=seed + b, batch_size=per_batch * samples, **kw)["records"]
+        return sum(r["correct"] for r in recs), sum(r["correct_strict"] for r in recs)
+
+    counts = ddp.map_batches(len(items), per_batch, right, world)
+    n = len(items) * samples
+    return sum(c[0] for c in counts) / n, sum(c[1] for c in counts) / n
+
+
 def parse_args(argv=None):
     import hub
 

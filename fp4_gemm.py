@@ -25,116 +25,45 @@ Decoding without tables. Both formats are tiny floats, so bit moves do the work:
 `decode_plain` below does this with Triton integer ops, which also run in Triton's interpreter on a CPU;
 on a GPU the engine room hands the same kernel a PTX version of it (a few instructions a pair of values).
 
-This file, top to bottom: which path runs; the torch reference (dequantize + matmul); one portable
-Triton kernel (fused dequantize + tl.dot tiles, split-K where K is long) and its dX; the dispatch point;
-the op torch.ops.qerl.fp4_linear with autograd; QuantLinear. The reference is the specification: every
-faster kernel is tested against it in float64.
+This file, top to bottom: the torch reference (dequantize + matmul); one portable Triton kernel (fused
+dequantize + tl.dot tiles, split-K where K is long) and its dX; the dispatch point; the op
+torch.ops.qerl.fp4_linear with autograd; QuantLinear. The reference is the specification: every faster
+kernel is tested against it in float64.
 
 The engine room (engine/, see engine/__init__.py) holds what makes it fast on a GPU, tested against this
 file's functions: the same decode as PTX, two values an instruction (engine/ptx.py); a tensor-core GEMV
 for decode's few rows (mma.sync, engine/mma.py); Hopper's wgmma with a producer warp, persistent
 programs and stream-K (engine/wgmma.py); dequant + cuBLAS for large M; and the per-shape table that picks
-one (engine/plan.py). What each measured: results/fp4_gemm_h200.md; `python fp4_gemm.py --bench`.
-The engine takes from here only public names: the Triton pieces its kernels share (decode_plain,
-e4m3_to_f32, e2m1_to_f32, w_pairs, scale_bias, finish_tile), the launch helpers (launchable, launch_opts,
-split_k, k_chunk, splitk_reduce), check_operands, torch_linear, and the choice of path (uses_triton,
-pinned_kernel); this file reaches the engine only at its dispatch point.
+one (engine/plan.py). What each measured: results/fp4_gemm_h200.md; `python fp4_gemm.py --bench`. The
+engine takes only public names from here; this file reaches it only at its dispatch point.
 
-Paths. "auto": CUDA tensors go to the engine room, CPU tensors to the torch reference.
-`set_backend("torch" | "triton" | "auto", kernel=None)`, the `backend(...)` context manager or the
-environment variable QERL_FP4_BACKEND force one; "triton" on CPU tensors runs the Triton kernels in
-Triton's interpreter, which the caller switches on (TRITON_INTERPRET=1 before triton is first imported:
-tests/conftest.py does). `kernel` pins "tiled" (this file's kernel) or an engine kernel: "mma", "gemv",
-"wgmma", "dequant". Inside `fp8_tensor_cores()` every path gives way to FP8 tensor cores (engine/fp8.py):
-train.py's --fp8-update, an option that trades exactness for a faster update.
+Paths (fp4_backend.py, re-exported here). "auto": CUDA tensors go to the engine room, CPU tensors to the
+torch reference; `set_backend`, the `backend(...)` context manager or QERL_FP4_BACKEND force "torch" or
+"triton" (on CPU tensors: Triton's interpreter) and may pin a kernel; inside `fp8_tensor_cores()` every
+path gives way to FP8 tensor cores (engine/fp8.py), train.py's --fp8-update.
 
 Departures from the official QeRL code: it runs rollouts on vLLM's Marlin FP4 kernel and trains by
 dequantizing the whole weight on every forward in HF; here one set of kernels serves both, the backward
 re-dequantizes instead of saving a bf16 copy, and q/k/v and gate/up can be fused into one matmul
 (per-row global scales keep the separately quantized parts exact).
 """
-import contextlib
 import functools
 import importlib
-import os
 from typing import Optional
 
 import torch
 import torch.nn as nn
 
+import fp4_backend
 import nvfp4
+from fp4_backend import (BACKENDS, HAS_TRITON, KERNELS, backend, fp8_tensor_cores, launch_opts,  # noqa: F401
+                         launchable, pinned_kernel, set_backend, split_k, uses_triton)
 
-try:
+if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    HAS_TRITON = True
-except ImportError:  # the torch path still works
-    HAS_TRITON = False
-
-
-# ---------------------------------------------------------------------------------------------
-# Which path runs
-# ---------------------------------------------------------------------------------------------
-
-BACKENDS = ("auto", "torch", "triton")
-KERNELS = (None, "mma", "gemv", "wgmma", "tiled", "dequant")
-_choice = {"backend": os.environ.get("QERL_FP4_BACKEND", "auto"), "kernel": None, "fp8": False}
-if _choice["backend"] not in BACKENDS:  # a typo would otherwise act as "auto"
-    raise ValueError(f"QERL_FP4_BACKEND={_choice['backend']!r}: use one of {BACKENDS}")
-
-
-def set_backend(name="auto", kernel=None):
-    """"auto": Triton on CUDA tensors, torch elsewhere. "triton": always Triton (on CPU tensors through
-    the interpreter, slow: for tests). "torch": dequantize + matmul. `kernel` pins the Triton kernel
-    ("tiled", or the engine's "mma", "gemv", "wgmma", "dequant") instead of the per-shape plan."""
-    if name not in BACKENDS or kernel not in KERNELS:
-        raise ValueError(f"backend must be one of {BACKENDS} and kernel one of {KERNELS}, got {name!r}, {kernel!r}")
-    _choice["backend"], _choice["kernel"] = name, kernel
-
-
-@contextlib.contextmanager
-def backend(name, kernel=None):
-    """with fp4_gemm.backend("triton", kernel="gemv"): ... — restores the previous choice on exit."""
-    old = dict(_choice)
-    set_backend(name, kernel)
-    try:
-        yield
-    finally:
-        _choice.update(old)
-
-
-@contextlib.contextmanager
-def fp8_tensor_cores(on=True):
-    """Within it (with on=True), fp4_linear and its dX multiply on FP8 tensor cores: the weight written in
-    E4M3 instead of x's dtype, x (and dY) quantized to E4M3 row by row (engine/fp8.py). Faster for the large
-    GEMMs of an update on Hopper, and less exact (results/fp8_update.md): train.py's --fp8-update, off by
-    default, runs the update so; the rollout never does."""
-    old = _choice["fp8"]
-    _choice["fp8"] = bool(on)
-    try:
-        yield
-    finally:
-        _choice["fp8"] = old
-
-
-def uses_triton(device):
-    """Whether fp4_linear multiplies tensors on `device` with a Triton kernel (this file's or the engine's)
-    under the current backend: "auto" on a CUDA device where Triton is installed, always with "triton",
-    never with "torch"."""
-    name = _choice["backend"]
-    if name == "torch":
-        return False
-    if name == "triton":
-        if not HAS_TRITON:
-            raise RuntimeError("backend 'triton' forced but triton is not installed")
-        return True
-    return HAS_TRITON and device.type == "cuda"
-
-
-def pinned_kernel():
-    """The kernel set_backend or backend() pinned (None: the engine's per-shape plan chooses)."""
-    return _choice["kernel"]
+_choice = fp4_backend.choice  # the live choice of path, read by the dispatch point and the op
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,43 +260,17 @@ if HAS_TRITON:
                  acc.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-
 # ---------------------------------------------------------------------------------------------
 # Launching the portable kernel (2-D x; uint8 views of the packed codes and the E4M3 scales)
 # ---------------------------------------------------------------------------------------------
 
 # Tiles for the interpreter (few, large programs run fastest there); engine/plan.py passes tuned ones.
+# (launchable, launch_opts and split_k: fp4_backend.py.)
 TILED_PLAN = dict(kernel="tiled", BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=4, SPLIT_K=1, num_warps=4, num_stages=2)
-
-
-def launchable(kernel, device):
-    """`kernel`, or a clear error where it cannot run: on CPU tensors only Triton's interpreter runs
-    kernels, and triton reads TRITON_INTERPRET once, when it is first imported."""
-    if device.type == "cpu" and type(kernel).__name__ != "InterpretedFunction":
-        raise RuntimeError("fp4_gemm: Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before triton "
-                           "is first imported (tests/conftest.py does; or use the torch backend)")
-    return kernel
 
 
 def _tl_dtype(dtype):
     return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
-
-
-def launch_opts(plan):
-    """A plan's launch options (num_warps, num_stages), for a kernel's [grid](...) call."""
-    return {k: plan[k] for k in ("num_warps", "num_stages") if k in plan}
-
-
-def k_chunk(K, parts, bk):
-    """The width of each of `parts` K ranges, rounded up to whole blocks of bk (so the last ranges may
-    be short, or empty)."""
-    return triton.cdiv(triton.cdiv(K, parts), bk) * bk
-
-
-def split_k(K, parts, bk):
-    """(splits, width): K in `parts` ranges of whole blocks of bk, fewer where the last would be empty."""
-    k_split = k_chunk(K, parts, bk)
-    return triton.cdiv(K, k_split), k_split
 
 
 def _tile_opts(x, decode):

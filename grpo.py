@@ -298,3 +298,15 @@ def policy_loss(logp, old_logp, advantages, mask, *, eps_low=0.2, eps_high=0.2, 
         values = torch.stack([v.to(mf.dtype) for v in stats.values()]).tolist()
         metrics = dict(zip(stats.keys(), values))
     return loss, metrics
+
+
+def add_metrics(sums, metrics, num_tokens):
+    """Add a micro-batch's policy_loss metrics into the batch's `sums`: the loss parts already add up across
+    micro-batches (their divisors are the batch's counts), per-token means are weighted by the micro-batch's
+    share of the batch's `num_tokens`, and a *_max is the largest of the micro-batches'."""
+    w = metrics["tokens"] / max(1, num_tokens)
+    for k, v in metrics.items():
+        if k.endswith("_max"):
+            sums[k] = max(sums.get(k, v), v)
+        elif k not in ("tokens", "seqs"):
+            sums[k] = sums.get(k, 0.0) + (v if k in ("loss", "pg_loss", "kl_loss") else v * w)

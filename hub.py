@@ -462,8 +462,14 @@ def check_tensor(t, name, path, shape=None, dtype=None):
 
 
 def write_json(path, obj):
-    """Write JSON atomically: a reader (or a crash) sees the old file or the new, never half of one."""
+    """Write JSON atomically: a reader (or a crash) sees the old file or the new, never half of one; a write
+    that fails (a full disk) leaves no temporary file."""
     tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise

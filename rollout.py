@@ -140,6 +140,20 @@ class Rollout:
                 for i in range(self.tokens.shape[0])]
 
 
+def concat(parts):
+    """One Rollout of several calls' (rows in order, prompt_index running on; tokens and logprobs padded
+    to the widest call's T with 0); stats: the calls' timings summed."""
+    T = max(p.tokens.shape[1] for p in parts)
+    pad = lambda t: torch.nn.functional.pad(t, (0, T - t.shape[1]))
+    starts = [0]
+    for p in parts[:-1]:
+        starts.append(starts[-1] + int(p.prompt_index.max()) + 1)
+    return Rollout(torch.cat([pad(p.tokens) for p in parts]), torch.cat([pad(p.logprobs) for p in parts]),
+                   torch.cat([p.lengths for p in parts]), [f for p in parts for f in p.finish],
+                   torch.cat([p.prompt_index + s for p, s in zip(parts, starts)]),
+                   {k: sum(p.stats.get(k, 0) for p in parts) for k in ("prefill_s", "decode_s", "capture_s")})
+
+
 # ---------------------------------------------------------------------------------------------
 # Sampling: the counter-based Gumbel noise and the sampler's math
 # ---------------------------------------------------------------------------------------------

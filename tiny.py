@@ -19,12 +19,9 @@ Architecture (constraints from the rest of the project):
   128->128, SwiGLU MLP 128->384->128, 4 layers, 0.9 M parameters. countdown: hidden 384, 6 query and
   2 key/value heads of dim 64, MLP 1024, 8 layers, about 13 M parameters. q/k/v carry biases as in
   Qwen2; embedding and lm_head are untied (as in Qwen2.5-7B) and stay high precision under NVFP4.
-- Tokenizer: a byte-level BPE (the `tokenizers` library) trained on the task's own text, in Qwen2's
-  exact pipeline (NFC, its split regex, which puts every digit in a token of its own, then bytes), so
-  arithmetic is done digit by digit and any text still encodes. The vocabulary is what the text
-  supports up to --vocab-size. Specials: `<|endoftext|>` (pad), `<|im_start|>`, `<|im_end|>` (eos).
-  The chat template is ChatML as in Qwen2.5 without Qwen's default system prompt (it would double the
-  prompt of a model that cannot use it): `<|im_start|>user\\n{message}<|im_end|>\\n<|im_start|>assistant\\n`.
+- Tokenizer (bpe.py): a byte-level BPE trained on the task's own text in Qwen2's exact pipeline (one
+  digit a token, so arithmetic is done digit by digit), up to --vocab-size tokens; ChatML as in Qwen2.5
+  without its default system prompt; eos `<|im_end|>`, pad `<|endoftext|>`.
 
 Training. Prompts are built by tasks.py's Task for the task (the question plus the task's instruction
 in the chat template), so the policy sees at training time exactly what eval.py and train.py show it;
@@ -59,7 +56,9 @@ greedy accuracy, and pass@1 / pass@K from K samples at temperature 1 (eval.pass_
 task's judge (arith: the number of the `#### N` line, as arith.parse_solution reads it; countdown.grade).
 The probes during training sample the transformers model being trained through the same
 rollout.generate (on its weights, `as_policy`).
-`--report-only` re-measures an existing checkpoint and rewrites only the measured table of its README.
+Every folder carries training.json (the settings, the losses, the probes, the final numbers) and a README
+written from it (model_card.py); `--report-only` re-measures an existing checkpoint and rewrites only the
+measured table of its README.
 """
 
 import argparse
@@ -80,18 +79,8 @@ import countdown
 import data
 import hub
 import tasks
-
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-# Qwen2's pre-tokenizer split (its tokenizer.json): words with one leading non-letter, single digits,
-# punctuation runs, newlines, spaces.
-QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-               r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+from bpe import SPECIAL, build_tokenizer, save_tokenizer
+from model_card import readme, replace_table
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,45 +247,8 @@ def check_args(args):
 
 
 # ---------------------------------------------------------------------------------------------
-# Tokenizer, model, batches
+# Prompts, model, batches (the tokenizer: bpe.py)
 # ---------------------------------------------------------------------------------------------
-
-def build_tokenizer(texts, vocab_size):
-    """A byte-level BPE trained on `texts`, in Qwen2's own tokenizer pipeline (NFC, its split regex with
-    one digit a token, byte-level), wrapped as an HF fast tokenizer. Using Qwen2's exact pipeline
-    matters: transformers 5 loads any qwen2 checkpoint's tokenizer as Qwen2Tokenizer, which rebuilds
-    the pipeline from the vocab and merges, so a different pre-tokenizer would be silently replaced."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   chat_template=CHAT_TEMPLATE)
-
-
-def save_tokenizer(tokenizer, out):
-    """tokenizer.json from the library's own text, tokenizer_config.json written by hand so that the chat
-    template sits inside it (transformers' save_pretrained would move it to a separate .jinja file).
-    Written by Python's open, so a full disk is an OSError that hub.writing reports."""
-    (out / "tokenizer.json").write_text(tokenizer.backend_tokenizer.to_str(pretty=True))
-    added = {str(tokenizer.convert_tokens_to_ids(t)): {"content": t, "special": True, "lstrip": False,
-                                                      "rstrip": False, "normalized": False, "single_word": False}
-             for t in SPECIAL}
-    config = {"tokenizer_class": "Qwen2Tokenizer", "added_tokens_decoder": added,
-              "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-              "unk_token": None, "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
-              "model_max_length": 512, "clean_up_tokenization_spaces": False, "split_special_tokens": False,
-              "chat_template": CHAT_TEMPLATE}
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-
 
 def arith_task():
     """The task object that eval.py and train.py use for arith problems (prompt, grading)."""
@@ -584,112 +536,13 @@ def report(out, meta, held, args, kept):
     meta["final"] = measure(out, held, args.eval_samples, args.device, task, max_new)
     meta["final_device"] = args.device
     trained = argparse.Namespace(**{**PRESETS[task], "task": task, **meta["args"]})  # (older files lack newer flags)
-    text = readme(trained, meta, AutoConfig.from_pretrained(out), len(held), args.eval_samples)
+    text = readme(SYNTHETIC[task], trained, meta, AutoConfig.from_pretrained(out), len(held), args.eval_samples)
     readme_path = out / "README.md"
     if args.report_only and readme_path.is_file():
         text = replace_table(readme_path.read_text(), text)
     write_text(out / "training.json", json.dumps(meta, indent=2) + "\n", kept)
     write_text(readme_path, text, kept)
     return meta
-
-
-TABLE_HEADING = "## Held-out accuracy"
-
-
-def table_block(text):
-    """(start, end) of the measured part of a README: its TABLE_HEADING line and the table under it."""
-    lines = text.split("\n")
-    start = next((i for i, line in enumerate(lines) if line.startswith(TABLE_HEADING)), None)
-    if start is None:
-        return None
-    end = start + 1
-    while end < len(lines) and (lines[end].startswith("|") or (end == start + 1 and not lines[end])):
-        end += 1
-    return start, end
-
-
-def replace_table(old, new):
-    """`old` with its measured block (table_block) taken from `new`; `new` whole when old has none."""
-    a, b = table_block(old), table_block(new)
-    if a is None or b is None:
-        return new
-    old_lines, new_lines = old.split("\n"), new.split("\n")
-    return "\n".join(old_lines[:a[0]] + new_lines[b[0]:b[1]] + old_lines[a[1]:])
-
-
-def readme(args, meta, config, n_held, k):
-    """args: how the checkpoint was trained (its probes have args.probe_samples samples a problem); k: the
-    samples a problem of the final measurement (--report-only may use another number)."""
-    syn = SYNTHETIC[args.task]
-    f, q = meta["final"]["bf16"], meta["final"]["nvfp4"]
-    full = "float32" if meta.get("final_device", args.device) == "cpu" else "bf16"
-    kh = args.probe_samples
-    rows = "\n".join(f"| {h['step']} | {h['greedy']:.3f} | {h['pass@1_t1']:.3f} | {h[f'pass@{kh}_t1']:.3f} | "
-                     f"{h.get('valid_t1', float('nan')):.3f} |" for h in meta["history"])
-    where = meta["device"] + (f" ({meta['gpu']})" if meta.get("gpu") else "")
-    if args.stop_at is not None:
-        probes = f"probes every {args.eval_every} steps on the first {args.probe_size} held-out problems, {kh} samples each"
-        competence = (f"It stopped at step {meta['stopped_at']}, the first probe whose pass@1 at temperature 1 reached "
-                      f"{args.stop_at:g} ({probes}): competent, far from solved, with most problems left for RL to "
-                      f"find." if meta.get("stopped_at") else
-                      f"No probe reached pass@1 {args.stop_at:g} ({probes}): it trained all {args.steps} steps.")
-        if not args.label_smoothing:
-            competence += " No label smoothing: the policy's entropy is its own uncertainty about what to write."
-    else:
-        competence = (f"Label smoothing leaves probability on wrong tokens, so at temperature 1 the policy often "
-                      f"samples a slip somewhere in its solution while its most likely continuation is usually right: "
-                      f"greedy accuracy is high, temperature-1 accuracy is low, pass@{k} well above pass@1. That gap "
-                      f"is the room that RL (train.py) has to close in a few dozen steps. Most of what RL gains on this "
-                      f"policy is therefore sharpening (less sampling noise), not new arithmetic.")
-    shards = f", in shards of at most {args.shard_mib:g} MiB" if args.shard_mib else ""
-    return f"""# {syn.title}
-
-A {meta['params'] / 1e6:.2f} M-parameter Qwen2-architecture model trained from scratch by `tiny.py` on
-{syn.about}, and an ordinary Hugging Face checkpoint: `transformers.AutoModelForCausalLM` /
-`AutoTokenizer` load this folder.
-
-Made with this command, on {where} ({meta['threads']} CPU thread{'s' if meta['threads'] != 1 else ''}, torch {meta['torch']}),
-in {meta['train_seconds']:.0f} s of training (the same seed, device and thread count give the same weights):
-
-    {meta['command']}
-
-## Model
-- Qwen2: hidden {config.hidden_size}, {config.num_hidden_layers} layers, {config.num_attention_heads} query heads and
-  {config.num_key_value_heads} key/value heads of dim {config.hidden_size // config.num_attention_heads} (GQA), q/k/v biases,
-  SwiGLU MLP {config.intermediate_size}, RoPE theta {(getattr(config, "rope_parameters", None) or {"rope_theta": config.rope_theta})["rope_theta"]:g}, untied lm_head, {args.dtype} weights{shards}.
-  Every decoder linear's in and out features are multiples of 16, so all of them quantize to NVFP4.
-- Tokenizer: byte-level BPE of {config.vocab_size} tokens trained on the task's text in Qwen2's tokenizer
-  pipeline (one digit a token); ChatML template without a system prompt; eos `<|im_end|>`, pad
-  `<|endoftext|>`.
-
-## Training
-Supervised: {meta.get('steps_trained', args.steps)} AdamW steps of {args.batch_size} (prompt, solution) pairs (cosine over {args.steps}),
-lr {args.lr:g} with {args.warmup} warmup steps and cosine decay to 10%, loss on the solution tokens and
-`<|im_end|>` only, label smoothing {args.label_smoothing:g}. The prompt is the one eval.py and train.py use
-for this task (tasks.py's instruction in the chat template):
-
-    {meta['prompt_example']!r}
-
-{competence}
-
-{TABLE_HEADING} ({args.task} test split, first {n_held} problems; {k} samples each at temperature 1, top-p 1)
-| weights | greedy | pass@1 (T=1) | pass@{k} (T=1) | well-formed (T=1) |
-| --- | --- | --- | --- | --- |
-| unquantized ({full}) | {f['greedy']:.3f} | {f['pass@1_t1']:.3f} | {f[f'pass@{k}_t1']:.3f} | {f.get('valid_t1', float('nan')):.3f} |
-| NVFP4 decoder linears | {q['greedy']:.3f} | {q['pass@1_t1']:.3f} | {q[f'pass@{k}_t1']:.3f} | {q.get('valid_t1', float('nan')):.3f} |
-
-During training (first {args.probe_size} held-out problems, {kh} samples each):
-
-| step | greedy | pass@1 (T=1) | pass@{kh} (T=1) | well-formed (T=1) |
-| --- | --- | --- | --- | --- |
-{rows}
-
-The final table is measured on the saved checkpoint through the project's own stack: model.py,
-fp4_gemm's NVFP4 linears, rollout.generate, graded by the task's judge (pass@K unbiased from K samples,
-eval.pass_at_k); well-formed: the answer is where the prompt asks for it and can be read (countdown:
-an expression of the problem's four numbers, right or not). The training-time rows come from
-rollout.generate on the weights being trained, with the same judge.
-"""
 
 
 if __name__ == "__main__":

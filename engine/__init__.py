@@ -1,6 +1,10 @@
 """The engine room: what makes the idea files fast on a GPU, one topic a file, each tested against the
 idea-file function it speeds up (tests/engine/). fp4_gemm.py and rollout.py each reach it at one
 dispatch point, and only on a GPU (or for a kernel a test pins, or inside fp4_gemm.fp8_tensor_cores).
+It takes from them only public names: from fp4_gemm.py the Triton pieces its kernels share (decode_plain,
+e4m3_to_f32, e2m1_to_f32, w_pairs, scale_bias, finish_tile), the tiled launches (tiled_linear, tiled_dx,
+splitk_reduce), check_operands, torch_linear, dequantize, QuantLinear; from fp4_backend.py the choice of
+path (uses_triton, pinned_kernel, KERNELS) and the launch helpers (launchable, launch_opts, split_k, k_chunk).
 
 ptx.py         the E2M1/E4M3 decode as inline PTX, and a warp-wide emulator of it for CPU tests
 pdl.py         programmatic dependent launch: a kernel scheduled while the one before finishes

@@ -23,7 +23,8 @@ import triton
 
 from engine import plan as engine_plan
 from engine.plan import _last_wave_split, _wgmma_rows_of_x, _ws_ring_bytes, plan_dx, plan_forward
-from fp4_gemm import KERNELS, QuantLinear
+from fp4_backend import KERNELS
+from fp4_gemm import QuantLinear
 
 # Qwen2.5-7B's linears: name → (in_features, out_features of the layers fused into one matmul, bias).
 QWEN7B_SHAPES = {"qkv": (3584, (3584, 512, 512), True), "o": (3584, (3584,), False),

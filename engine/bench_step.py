@@ -60,6 +60,7 @@ import time
 import torch
 
 import ddp
+import grpo
 import lora
 import memory
 import rollout
@@ -136,16 +137,15 @@ def step_plan(a, cfg, mode, cap, headroom=None):
                        checkpointing=a.checkpointing, headroom=headroom, title=f"Qwen2.5-{a.size} shape, {mode}")
 
 
-def update_args(a, plan, fp8=False):
-    """train.update's knobs for one on-policy DAPO pass: train.py's own defaults (its DAPO recipe), with
-    the plan's micro-batch, logprob chunk and checkpointing (--checkpointing as given where the plan measured
-    nothing: the CPU), this benchmark's completion length, and truncated completions kept in the loss:
-    forced-length ones are all truncated, and masking them would leave the update nothing to do."""
+def update_config(a, plan, fp8=False):
+    """train.update's settings for one on-policy DAPO pass: train.UpdateConfig's defaults (the gsm8k recipe's
+    loss), with the plan's micro-batch, logprob chunk and checkpointing (--checkpointing as given where the
+    plan measured nothing: the CPU) and this benchmark's completion length. (Truncated completions stay in
+    the loss, timed_step's batch: forced-length ones are all truncated, and masking them would leave the
+    update nothing to do.)"""
     ckpt = a.checkpointing if plan.cap is None else ("on" if plan.checkpointing else "off")
-    return train.recipe(train.parse_args(["--algo", "dapo", "--micro-batch", str(plan.micro_batch), "--logp-chunk",
-                                          str(plan.logp_chunk), "--max-new-tokens", str(a.new_tokens),
-                                          "--checkpointing", ckpt, "--no-mask-truncated"]
-                                         + (["--fp8-update"] if fp8 else [])))
+    return train.UpdateConfig(max_new_tokens=a.new_tokens, micro_batch=plan.micro_batch, logp_chunk=plan.logp_chunk,
+                              checkpointing=ckpt, fp8=fp8)
 
 
 # Kinds of update kernels, by name: the first pattern a kernel's name contains (lower case) decides
@@ -216,16 +216,23 @@ def sync(device):
 def rollout_groups(model, prompts, a, plan, stops, step):
     """The step's rollout as the plan lays it out: calls of plan.rollout_rows rows (whole groups), each keyed
     (ddp.shift_seed) as its rows would be in one call of every prompt, so the samples do not depend on the
-    split. → (train.update's groups, each with its call's Rollout; the calls' Rollouts)."""
+    split. → [(the call's first prompt, its Rollout)]."""
     per_call = plan.rollout_rows // a.group_size
-    groups, calls = [], []
-    for lo in range(0, len(prompts), per_call):
-        ro = rollout.generate(model, prompts[lo:lo + per_call], n=a.group_size, max_new_tokens=a.new_tokens,
-                              temperature=1.0, stop_ids=stops, seed=ddp.shift_seed(step, lo * a.group_size))
-        calls.append(ro)
-        groups += [dict(item=lo + i, rollout=ro, rows=list(range(i * a.group_size, (i + 1) * a.group_size)))
-                   for i in range(len(ro.finish) // a.group_size)]
-    return groups, calls
+    return [(lo, rollout.generate(model, prompts[lo:lo + per_call], n=a.group_size, max_new_tokens=a.new_tokens,
+                                  temperature=1.0, stop_ids=stops, seed=ddp.shift_seed(step, lo * a.group_size)))
+            for lo in range(0, len(prompts), per_call)]
+
+
+def training_batch(calls, correct, prompts, device):
+    """train.py's stages 2-4 with `correct` (prompts, G) standing in for the graded rewards: the groups of every
+    call (train.groups_of), their advantages, the batch (truncated completions kept: update_config says why)."""
+    groups = []
+    for lo, ro in calls:
+        n = ro.tokens.shape[0] // correct.shape[1]
+        part = correct[lo:lo + n]
+        zero = torch.zeros_like(part)
+        groups += train.groups_of(list(range(lo, lo + n)), torch.stack([part, zero, zero, ro.lengths.view(n, -1).float().cpu()]), ro)
+    return train.training_batch(groups, grpo.group_advantages(correct), prompts.__getitem__, False, device)
 
 
 def decode_floor_s(segments, weights, kv_token, group_size, prompt_len, copy_tb_s):
@@ -242,14 +249,14 @@ def decode_floor_s(segments, weights, kv_token, group_size, prompt_len, copy_tb_
 
 def timed_step(model, optimizer, params, prompts, a, plan, ua, stops, gen, step, device, cuda):
     """One RL step: rollout (in the plan's calls), the cache released where the plan says, the reward stand-in,
-    one update. → (a row of timings and peaks, the update's metrics, the groups, the rewards, the calls)."""
+    one update. → (a row of timings and peaks, the update's metrics, its batch, the rollout calls)."""
     sync(device)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.time()
     model.eval()
     with torch.no_grad():
-        groups, calls = rollout_groups(model, prompts, a, plan, stops, step)
+        calls = rollout_groups(model, prompts, a, plan, stops, step)
     sync(device)
     t1 = time.time()
     peak_rollout = torch.cuda.max_memory_allocated() if cuda else float("nan")
@@ -260,9 +267,11 @@ def timed_step(model, optimizer, params, prompts, a, plan, ua, stops, gen, step,
     t2 = time.time()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    metrics = train.update(ua, model, optimizer, params, groups, correct, prompts.__getitem__, 0.0, 0, device)
+    batch = training_batch(calls, correct, prompts, device)
+    metrics = train.update(ua, model, optimizer, params, batch)
     sync(device)
     t3 = time.time()
+    calls = [ro for _, ro in calls]
     gen_tokens = sum(int(ro.lengths.sum()) for ro in calls)
     upd_tokens = gen_tokens + a.prompts * a.group_size * a.prompt_len
     stat = lambda k: sum(ro.stats[k] for ro in calls)
@@ -272,7 +281,7 @@ def timed_step(model, optimizer, params, prompts, a, plan, ua, stops, gen, step,
                prefill_s=stat("prefill_s"), mismatch_kl=metrics["mismatch_kl"],
                peak_rollout_gb=peak_rollout / 2**30,
                peak_update_gb=torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"))
-    return row, metrics, groups, correct, calls
+    return row, metrics, batch, calls
 
 
 def run_mode(a, mode, device, cfg, plan=None, copy_tb_s=None):
@@ -304,11 +313,11 @@ def run_mode(a, mode, device, cfg, plan=None, copy_tb_s=None):
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, cfg.vocab_size, (a.prompt_len,), generator=gen).tolist() for _ in range(a.prompts)]
     stops = stop_ids(a, cfg.vocab_size)
-    ua = update_args(a, plan, fp8=mode == "nvfp4+fp8")
+    ua = update_config(a, plan, fp8=mode == "nvfp4+fp8")
     weights, kv_token = step_bytes(model), memory.kv_bytes_per_token(cfg, model.dtype)
     rows, graphs = [], compiled_graphs()
     for step in range(a.steps + 1):  # step 0 warms up (compilation, graph capture, autotuning)
-        row, metrics, groups, correct, calls = timed_step(model, optimizer, params, prompts, a, plan, ua, stops, gen,
+        row, metrics, batch, calls = timed_step(model, optimizer, params, prompts, a, plan, ua, stops, gen,
                                                           step, device, cuda)
         if copy_tb_s:
             row["decode_floor_s"] = sum(decode_floor_s(ro.stats["segments"], weights, kv_token, a.group_size,
@@ -329,8 +338,7 @@ def run_mode(a, mode, device, cfg, plan=None, copy_tb_s=None):
     res["peak_update_gb"] = max(r["peak_update_gb"] for r in rows)
     res["peak_gb"] = max(res["peak_rollout_gb"], res["peak_update_gb"])
     if a.profile:
-        again = functools.partial(train.update, ua, model, optimizer, params, groups, correct, prompts.__getitem__, 0.0,
-                                  0, device)  # the last step's batch once more
+        again = functools.partial(train.update, ua, model, optimizer, params, batch)  # the last step's batch once more
         res["profile"] = profile_text(mode, calls[-1].stats, profile_update(again, device))
     res.update(grad_norm=metrics["grad_norm"], checkpointing="on" if metrics["checkpointing"] else "off",
                micro_batch=plan.micro_batch, logp_chunk=plan.logp_chunk, rollout_rows=plan.rollout_rows,
@@ -338,7 +346,7 @@ def run_mode(a, mode, device, cfg, plan=None, copy_tb_s=None):
     if a.decode_batch1:
         res.update(batch1(model, prompts[0], a, weights, kv_token, copy_tb_s, device))
     rollout.release(model)
-    del model, params, optimizer, groups, calls
+    del model, params, optimizer, batch, calls
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()

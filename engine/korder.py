@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+import fp4_backend
 import fp4_gemm
 from engine.pdl import pdl_opts, pdl_wait
 
@@ -56,7 +57,7 @@ def k_ordered(x2, bk, out=None):
     out = torch.empty(M, K, dtype=x2.dtype, device=x2.device) if out is None else out
     if M:
         block = 1024
-        fp4_gemm.launchable(_k_order_kernel, x2.device)[(triton.cdiv(K, block) * M,)](
+        fp4_backend.launchable(_k_order_kernel, x2.device)[(triton.cdiv(K, block) * M,)](
             x2, out, M, K, *x2.stride(), BK=bk, BLOCK=block, num_warps=4, **pdl_opts(x2.device))
     return out
 
@@ -97,7 +98,7 @@ def x_k_order(M, q, dtype, device):
     from engine import plan as engine_plan  # (here, not at the top: engine/plan.py imports this module)
 
     N, K = q.packed.shape[0], q.packed.shape[1] * 2
-    if device.type != "cuda" or not fp4_gemm.uses_triton(device):
+    if device.type != "cuda" or not fp4_backend.uses_triton(device):
         return 0, M
     plan = engine_plan.plan_forward(M, N, K, dtype, device)
     if not (_k_step_of(plan) and engine_plan._tma_fits(q.packed, q.scale.view(torch.uint8))):

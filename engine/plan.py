@@ -24,8 +24,8 @@ from engine import wgmma as wgmma_kernels
 from engine.mma import _gemv_kernel, _mma_kernel
 from engine.korder import _k_step_of, _x_rows, k_ordered
 from engine.pdl import capability, pdl_opts
-from fp4_gemm import (decode_plain, e2m1_to_f32, e4m3_to_f32, k_chunk, launch_opts, launchable, pinned_kernel,
-                      split_k)
+from fp4_backend import k_chunk, launch_opts, launchable, pinned_kernel, split_k
+from fp4_gemm import decode_plain, e2m1_to_f32, e4m3_to_f32
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+import fp4_backend
 import fp4_gemm
 from engine import plan as engine_plan
 from engine.mma import _small_part
@@ -41,7 +42,7 @@ def small_linear(x2, A, bk=256):
     split, k_split = engine_plan._small_split(K, bk)
     out, part = engine_plan._side_outputs(x2, SR, split)
     grid = (triton.cdiv(SR, 16), split, triton.cdiv(M, 16))
-    fp4_gemm.launchable(_small_kernel, x2.device)[grid](
+    fp4_backend.launchable(_small_kernel, x2.device)[grid](
         x2, A, out, part, engine_plan._locks(x2.device, grid[0] * grid[2]), M, K, SR, x2.stride(0), k_split,
         SPLIT=split, SPLIT_PAD=triton.next_power_of_2(split), BK=bk, F32=x2.dtype == torch.float32 or not x2.is_cuda,
         num_warps=4, **pdl_opts(x2.device))
@@ -65,7 +66,7 @@ def _side_rides(plan, M):
 def side_rides_along(x, q):
     """Whether fp4_linear_side(x, q, ...) computes its side product inside the GEMM's own launch (the mma
     kernel's plan: one row on a Hopper GPU, up to 8 on others) rather than in a launch of its own."""
-    return (x.is_cuda and fp4_gemm.uses_triton(x.device)
+    return (x.is_cuda and fp4_backend.uses_triton(x.device)
             and _side_rides(engine_plan._runnable_plan(x, q.packed, q.scale.view(torch.uint8)), x.shape[0]))
 
 
@@ -82,7 +83,7 @@ def fp4_linear_side(x, q, bias, side):
     if x.dim() != 2 or side.shape[1] != x.shape[1] or side.dtype != x.dtype:
         raise ValueError(f"fp4_linear_side: x {tuple(x.shape)} {x.dtype} against side {tuple(side.shape)} {side.dtype}")
     x = x if x.stride(-1) == 1 else x.contiguous()
-    if not fp4_gemm.uses_triton(x.device):
+    if not fp4_backend.uses_triton(x.device):
         return fp4_gemm.torch_linear(x, q.packed, q.scale, q.global_scale, bias), torch.nn.functional.linear(x, side)
     return linear_and_side(x, q.packed, q.scale.view(torch.uint8), q.global_scale.float(), bias, side,
                            constant_weight=True)

@@ -389,11 +389,13 @@ def missing_flags(jobs):
 def tap(argv):
     """`tap RUN -- <train.py flags>`: train.py under experiments/probe.py's taps (RUN/probe.jsonl: every
     step's sampled accuracy and sampler entropy), plus two: the index of the step train.py is on
-    (train.step_metrics) and each held-out evaluation's right count per problem (train.evaluate), written
+    (logs.step_metrics) and each held-out evaluation's right count per problem (eval.evaluate, which
+    eval.heldout calls; these runs are single-process, so its records index the whole held-out set), written
     as RUN/heldout.jsonl lines {"after_steps", "samples", "correct"}: the baseline after 0 steps, the
     probes after every --eval-every steps, the final one after --steps."""
     from experiments import probe
-    import train
+    import eval as ev
+    import logs
 
     run_dir, train_argv = argv[0], argv[1:]
     if train_argv[:1] == ["--"]:
@@ -402,7 +404,7 @@ def tap(argv):
     path = os.path.join(run_dir, "heldout.jsonl")
     open(path, "w").close()
     state = {"step": None}
-    real_step_metrics, real_evaluate = train.step_metrics, train.evaluate
+    real_step_metrics, real_evaluate = logs.step_metrics, ev.evaluate
 
     def step_metrics(step, *a, **k):
         state["step"] = step
@@ -418,11 +420,11 @@ def tap(argv):
                                 "samples": res["samples"], "correct": correct}) + "\n")
         return res
 
-    train.step_metrics, train.evaluate = step_metrics, evaluate
+    logs.step_metrics, ev.evaluate = step_metrics, evaluate
     summary = probe.main([os.path.join(run_dir, "probe.jsonl"), "--", *train_argv])
     if not read_jsonl(path):
         sys.exit(f"aqn_replication.py: no held-out evaluation reached the tap ({path}): train.py no longer calls "
-                 f"train.evaluate or step_metrics through its module; update tap()")
+                 f"eval.evaluate or logs.step_metrics through their modules; update tap()")
     return summary
 
 

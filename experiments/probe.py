@@ -14,8 +14,8 @@ taps give that without touching train.py:
   are log softmax(logits / T) of the sampled token x_t, so the token mean of -logp is an unbiased
   estimate of the sampler's mean token entropy E_t[H(p_t)] (same token weighting as the trainer's
   entropy), noise and quantization included: whatever the rollout model was, this is what it sampled;
-- train.format_line, called once a step with that step's metrics: the moment to write the step's
-  record and start the next. Rollouts inside train.evaluate (the held-out evaluation) are not counted.
+- logs.line, called once a step with that step's metrics: the moment to write the step's record and
+  start the next. Rollouts inside train.heldout (eval.heldout, the held-out evaluation) are not counted.
 
 Each line of PROBE.jsonl: {"step", "completions", "sampled_accuracy" (fraction right over every sampled
 completion), "sampler_entropy" (mean -logp a token), "tokens", "rollouts"}. If train.py stops calling
@@ -30,6 +30,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
+import logs  # noqa: E402
 import rollout  # noqa: E402
 import tasks  # noqa: E402
 import train  # noqa: E402
@@ -46,7 +47,7 @@ def main(argv=None):
     open(path, "w").close()
 
     state = {"in_eval": False, "correct": [], "nll": 0.0, "tokens": 0, "rollouts": 0, "steps": 0}
-    real_generate, real_reward, real_evaluate, real_format = rollout.generate, tasks.reward, train.evaluate, train.format_line
+    real_generate, real_reward, real_evaluate, real_format = rollout.generate, tasks.reward, train.heldout, logs.line
 
     def generate(*args, **kwargs):
         ro = real_generate(*args, **kwargs)
@@ -81,13 +82,13 @@ def main(argv=None):
         state.update(correct=[], nll=0.0, tokens=0, rollouts=0, steps=state["steps"] + 1)
         return real_format(m)
 
-    rollout.generate, tasks.reward, train.evaluate, train.format_line = generate, reward, evaluate, format_line
+    rollout.generate, tasks.reward, train.heldout, logs.line = generate, reward, evaluate, format_line
     summary = train.main(train_argv)
     with open(path) as f:
         recs = [json.loads(line) for line in f]
     if not recs or not any(r["completions"] and r["tokens"] for r in recs):
         sys.exit(f"probe.py: the taps recorded nothing in {path}: train.py no longer calls rollout.generate, "
-                 f"tasks.reward or format_line through their modules; update experiments/probe.py to match")
+                 f"tasks.reward or logs.line through their modules; update experiments/probe.py to match")
     return summary
 
 

@@ -3,7 +3,7 @@
     python experiments/recipe_steps.py --size 7b          # on a GPU: 3 steps each of trainer, sampler, tis
     python experiments/recipe_steps.py --size toy         # the same on a toy shape (a smoke test; any device, the CPU too)
 
-What it checks that the tiny CPU run cannot: the recipe's settings (train.recipe for `--model qwen2.5-7b
+What it checks that the tiny CPU run cannot: the recipe's settings (recipes.py's gsm8k for `--model qwen2.5-7b
 --algo dapo`: NVFP4 base, LoRA r16 alpha16, trained RMSNorms, AdamW beta2 0.99, weight decay 0.1 on LoRA,
 grad clip 0.2) at the real shape, with AQN on (sigma 1e-2) during the rollout, for each `--ratio` mode:
 the step time split into rollout and update, the peak memory, and the sampler-trainer mismatch the step
@@ -23,7 +23,9 @@ sys.path.insert(0, ROOT)  # the project's modules, not this folder's scripts
 import torch  # noqa: E402
 
 import aqn  # noqa: E402
+import grpo  # noqa: E402
 import lora  # noqa: E402
+import recipes  # noqa: E402
 import rollout  # noqa: E402
 import train  # noqa: E402
 from model import Config, Transformer, qwen25_config  # noqa: E402
@@ -63,9 +65,9 @@ def main(argv=None):
     stops = torch.randperm(cfg.vocab_size, generator=gen)[: max(1, cfg.vocab_size // mean_len)].tolist()
     addresses = [t.data_ptr() for t in norms]
     P, G = args.prompts, args.group_size
-    for mode in train.grpo.RATIO_MODES:
-        recipe = train.recipe(train.parse_args(["--model", "qwen2.5-7b", "--algo", "dapo", "--ratio", mode,
-                                                "--max-new-tokens", str(args.max_new_tokens)]))
+    for mode in grpo.RATIO_MODES:
+        recipe = recipes.parse(["--model", "qwen2.5-7b", "--algo", "dapo", "--ratio", mode,
+                                "--max-new-tokens", str(args.max_new_tokens)])
         optimizer = torch.optim.AdamW([{"params": params}, {"params": norms, "weight_decay": 0.0}], lr=recipe.lr,
                                       weight_decay=recipe.weight_decay, betas=(0.9, recipe.adam_beta2))
         for step in range(args.steps):
@@ -78,8 +80,12 @@ def main(argv=None):
                                       stop_ids=stops, seed=step)
             t1 = time.time()
             rewards = torch.randint(0, 2, (P, G), generator=gen).float()  # (P, G): stands in for the strict reward
-            groups = [dict(item=i, rollout=ro, rows=list(range(i * G, (i + 1) * G))) for i in range(P)]
-            m = train.update(recipe, model, optimizer, params + norms, groups, rewards, lambda i: prompts[i], 0.0, 0, dev)
+            parts = torch.stack([rewards, torch.zeros_like(rewards), torch.zeros_like(rewards),
+                                 ro.lengths.view(P, G).float().cpu()])  # (4, P, G): the reward's parts
+            groups = train.groups_of(list(range(P)), parts, ro)
+            batch = train.training_batch(groups, grpo.group_advantages(rewards), prompts.__getitem__,
+                                         recipe.mask_truncated, dev)
+            m = train.update(train.update_config(recipe), model, optimizer, params + norms, batch)
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             t2 = time.time()
@@ -93,7 +99,7 @@ def main(argv=None):
                   f"{m.get('grad_norm', float('nan')):.3g}", flush=True)
     if [t.data_ptr() for t in norms] != addresses:
         raise SystemExit("a trained norm tensor moved: the decode engine's graphs would read stale weights")
-    print(f"trained norm tensors kept their addresses through {args.steps * len(train.grpo.RATIO_MODES)} optimizer steps")
+    print(f"trained norm tensors kept their addresses through {args.steps * len(grpo.RATIO_MODES)} optimizer steps")
 
 
 if __name__ == "__main__":

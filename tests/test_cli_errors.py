@@ -75,8 +75,8 @@ BEFORE_LOAD = [
     ("train.py", ["--lora-targets", "qproj,v_proj"], "--lora-targets qproj,v_proj: qproj matches no linear"),
     ("train.py", ["--lora-targets", ","], "nothing matches no linear of the model; choose among q_proj"),
     ("train.py", ["--max-new-tokens", "0"], "--max-new-tokens 0: must be an integer >= 1"),
-    ("train.py", ["--temperature", "nan"], "--temperature nan: must be a finite number > 0 for RL"),
-    ("train.py", ["--temperature", "0"], "--temperature 0.0: must be a finite number > 0 for RL"),
+    ("train.py", ["--temperature", "nan"], "--temperature nan: the rollout temperature (the logprobs divide by it) must be a finite number > 0"),
+    ("train.py", ["--temperature", "0"], "--temperature 0.0: the rollout temperature (the logprobs divide by it) must be a finite number > 0"),
     ("train.py", ["--top-p", "1.5"], "--top-p 1.5: must be in (0, 1]"),
     ("train.py", ["--eval-temperature=-1"], "--eval-temperature -1.0: must be a finite number >= 0"),
     ("train.py", ["--group-size", "1"], "group-relative advantages need G >= 2"),
@@ -143,7 +143,8 @@ BEFORE_LOAD = [
 ]
 # Files that are named when loading them fails (the model loads, so these come after the value checks).
 AT_LOAD = [
-    ("train.py", ["--model", "{truncated}", "--data", "arith", "--out", "{tmp}/run-truncated"],
+    ("train.py", ["--model", "{truncated}", "--data", "arith", "--max-new-tokens", "64", "--eval-max-new-tokens", "64",
+                  "--out", "{tmp}/run-truncated"],
      "{truncated}/model.safetensors: not a readable safetensors file"),
     ("eval.py", ["--model", "{truncated}", "--out", "{tmp}/eval-truncated"],
      "{truncated}/model.safetensors: not a readable safetensors file"),
@@ -291,7 +292,7 @@ def test_force_deletes_nothing_it_was_not_asked_to(files, tmp_path, monkeypatch,
             ("eval.py", ["--data", "data/test.jsonl", "--out", "data", "--force"],
              "--out data is a folder holding the source data/test.jsonl"),
             ("train.py", ["--data", "data/train.jsonl", "--eval-data", "data/test.jsonl", "--out", "data", "--force"],
-             "--out data holds files that no command of this project wrote (e.g. test.jsonl)"),
+             "--out data is a folder holding the source data/train.jsonl"),
             ("nvfp4.py", ["--model", files["tiny"], "--out", engine, "--force"],
              f"--out {engine} is a folder of the project's own files")):
         message = run_cli(prog, argv, files, capsys)

@@ -1,6 +1,6 @@
 """dapo.py: the DAPO defaults against a plain-Python reference of the paper's objective, clip-higher,
-dynamic sampling (exactly the informative groups, max_rounds, the report), the soft overlong
-punishment and overlong filtering."""
+the informative-group test of dynamic sampling (its rounds are train.py's loop: tests/test_train.py),
+the soft overlong punishment and overlong filtering."""
 
 import math
 import sys
@@ -121,61 +121,6 @@ def test_informative_groups_hand_and_random():
     r = torch.randint(0, 2, (40, 5), generator=gen).to(F64)
     want = [len(set(row)) > 1 for row in r.tolist()]
     assert dapo.informative_groups(r).tolist() == want and 0 < sum(want) < 40
-
-
-class ScriptedSampler:
-    """sample_fn for collect_informative: round k returns the k-th scripted batch; logs the calls."""
-
-    def __init__(self, batches):
-        self.batches, self.calls = batches, []
-
-    def __call__(self, round_index):
-        self.calls.append(round_index)
-        names, rows = self.batches[round_index]
-        return names, torch.tensor(rows)
-
-
-def test_collect_keeps_exactly_the_informative_groups_and_stops_when_full():
-    sampler = ScriptedSampler([
-        (["a", "b", "c"], [[1.0, 1.0], [0.0, 1.0], [0.0, 0.0]]),
-        (["d", "e"], [[1.0, 0.0], [1.0, 1.0]]),
-        (["f", "g", "h"], [[0.0, 1.0], [0.5, 0.0], [1.0, 0.0]]),
-        (["never"], [[0.0, 1.0]]),
-    ])
-    items, rewards, rep = dapo.collect_informative(sampler, want=3, max_rounds=10)
-    assert items == ["b", "d", "f"] and sampler.calls == [0, 1, 2]
-    torch.testing.assert_close(rewards, torch.tensor([[0.0, 1.0], [1.0, 0.0], [0.0, 1.0]]))
-    assert (rep.rounds, rep.groups_seen, rep.groups_filtered, rep.groups_kept, rep.groups_surplus) == (3, 8, 3, 3, 2)
-    assert not rep.fell_short
-
-
-def test_collect_stops_after_max_rounds_and_says_it_fell_short():
-    sampler = ScriptedSampler([(["x%d" % k, "y%d" % k], [[0.0, 0.0, 0.0], [0.0, 1.0, 1.0]]) for k in range(9)])
-    items, rewards, rep = dapo.collect_informative(sampler, want=5, max_rounds=3)
-    assert sampler.calls == [0, 1, 2] and items == ["y0", "y1", "y2"] and rewards.shape == (3, 3)
-    assert rep.fell_short and rep.rounds == 3 and rep.groups_seen == 6 and rep.groups_filtered == 3
-    assert rep.groups_kept == 3 and rep.groups_surplus == 0
-
-
-def test_collect_random_rounds_against_a_plain_filter():
-    gen = torch.Generator().manual_seed(5)
-    batches = []
-    for k in range(6):
-        n = int(torch.randint(1, 7, (1,), generator=gen))
-        rows = torch.randint(0, 2, (n, 4), generator=gen).to(F64).tolist()
-        batches.append(([(k, i) for i in range(n)], rows))
-    informative = [(item, row) for names, rows in batches for item, row in zip(names, rows) if max(row) != min(row)]
-    for want in (0, 1, len(informative) // 2, len(informative), len(informative) + 3):
-        sampler = ScriptedSampler(batches)
-        items, rewards, rep = dapo.collect_informative(sampler, want=want, max_rounds=len(batches))
-        assert items == [item for item, _ in informative[:want]]
-        assert rewards.tolist() == [row for _, row in informative[:want]]
-        assert rep.fell_short == (want > len(informative))
-    with pytest.raises(ValueError):
-        dapo.collect_informative(ScriptedSampler(batches), want=2, max_rounds=0)
-    changing = ScriptedSampler([(["a"], [[1.0, 1.0]]), (["b"], [[0.0, 1.0, 0.0]])])
-    with pytest.raises(ValueError):
-        dapo.collect_informative(changing, want=2, max_rounds=2)
 
 
 # ---------------------------------------------------------------- overlong shaping

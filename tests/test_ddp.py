@@ -31,8 +31,10 @@ import torch.multiprocessing as mp
 
 import adapters
 import ddp
+import grpo
 import lora
 import model as M
+import recipes
 import rollout
 import train
 
@@ -96,12 +98,17 @@ def fixed_update(folder, world, algo, adv_std, num_groups):
     ro = type("Rollout", (), dict(tokens=torch.randint(0, 101, (len(lengths), 8), generator=gen), lengths=lengths,
                                   logprobs=-torch.rand(len(lengths), 8, generator=gen), finish=finish))
     lo, hi = ddp.shard(num_groups, world)
-    groups = [dict(item=g, rollout=ro if lo <= g < hi else None, rows=list(range(G * g, G * g + G)))
-              for g in range(num_groups)]
     rewards = torch.tensor([[1.0, 0, 0, 1], [0, 1, 1, 1], [0.5, 0, 0, 0]])[:num_groups]
-    args = train.recipe(train.parse_args(["--algo", algo, "--adv-std", adv_std, "--max-new-tokens", "8",
-                                          "--micro-batch", "4", "--grad-clip", "0.05"]))
-    out = train.update(args, m, optimizer, params, groups, rewards, lambda i: prompts[i], 0.0, 0, "cpu", world)
+    zero = torch.zeros_like(rewards)
+    parts = torch.stack([rewards, zero, zero, lengths.view(num_groups, G).float()])  # (4, groups, G)
+    mine = type("Rollout", (), dict(tokens=ro.tokens[lo * G:hi * G], logprobs=ro.logprobs[lo * G:hi * G],
+                                    lengths=lengths[lo * G:hi * G], finish=finish[lo * G:hi * G]))
+    groups = train.groups_of(list(range(num_groups)), parts, mine, lo)  # (this rank's rows in its own groups)
+    advantages = grpo.group_advantages(rewards, std=adv_std)
+    batch = train.training_batch(groups, advantages, prompts.__getitem__, True, "cpu")
+    cfg = train.update_config(recipes.parse(["--algo", algo, "--max-new-tokens", "8", "--micro-batch", "4",
+                                             "--grad-clip", "0.05"]))
+    out = train.update(cfg, m, optimizer, params, batch, world)
     return out, [p.grad.clone() for p in params], [p.detach().clone() for p in params], positions
 
 

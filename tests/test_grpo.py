@@ -470,3 +470,12 @@ def test_the_three_modes_differ_and_tis_needs_a_cap():
         grpo.sampler_correction("vllm", logp, sampler)
     with pytest.raises(ValueError, match="is_weight"):
         grpo.policy_loss(logp, logp, adv, mask, is_weight=logp[:, :3])
+
+
+def test_micro_batch_metrics_add_up_to_the_batchs():
+    """add_metrics over micro-batches: loss parts summed, per-token means weighted by tokens, maxima the
+    largest; the counts themselves dropped."""
+    sums = {}
+    grpo.add_metrics(sums, {"loss": 0.5, "clip_frac": 0.2, "ratio_max": 1.5, "tokens": 30, "seqs": 2}, 40)
+    grpo.add_metrics(sums, {"loss": 0.25, "clip_frac": 0.6, "ratio_max": 1.2, "tokens": 10, "seqs": 1}, 40)
+    assert sums == pytest.approx({"loss": 0.75, "clip_frac": 0.2 * 0.75 + 0.6 * 0.25, "ratio_max": 1.5})

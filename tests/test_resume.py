@@ -12,6 +12,7 @@ import types
 import pytest
 import torch
 
+import runs
 import train
 
 ARGS = ["--steps", "2", "--prompts", "2", "--group-size", "2", "--eval-limit", "4", "--max-new-tokens", "16",
@@ -63,7 +64,7 @@ def test_a_checkpoint_is_tensors_and_json(run):
     with open(os.path.join(path, "state.json")) as f:
         meta = json.load(f)
     assert meta["step"] == 2 and meta["run_id"] == json.load(open(os.path.join(run, "args.json")))["run_id"]
-    assert train.read_checkpoint(os.path.join(run, "checkpoint.old"), meta["run_id"])["step"] == 1
+    assert runs.read_checkpoint(os.path.join(run, "checkpoint.old"), meta["run_id"])["step"] == 1
 
 
 def test_a_crafted_state_pt_does_not_run(run, tmp_path, monkeypatch):
@@ -119,6 +120,8 @@ def test_resume_keeps_the_settings_and_extends_a_finished_run(run, monkeypatch, 
     assert "keeping its settings" in out and "changed: --steps 2 -> 3" in out
     got = rows(run)
     assert [r["step"] for r in got] == [0, 1, 2] and summary["steps"] == 3
+    assert json.load(open(os.path.join(run, "summary.2-steps.json")))["steps"] == 2  # the shorter run's, kept
+    assert summary["baseline_accuracy_strict"] is not None  # (every figure survives a resume)
     args = json.load(open(os.path.join(run, "args.json")))
     assert args["steps"] == 3 and args["schedule_steps"] == 2
     assert got[2]["lr"] == pytest.approx(args["lr"] * args["min_lr_ratio"])  # the extra step at the schedule's floor
@@ -145,6 +148,6 @@ def test_a_new_run_never_inherits_a_checkpoint(run, monkeypatch):
     # --force: the earlier run is deleted before the new one starts, which has a run id of its own.
     with pytest.raises(AssertionError, match="a model was loaded"):
         train.main(ARGS + ["--out", run, "--force"])
-    assert os.listdir(run) == [".qerl-output.json"]
+    assert sorted(os.listdir(run)) == [runs.LOCK, ".qerl-output.json"]  # (the lock file stays; its lock went with the run)
     with open(os.path.join(run, ".qerl-output.json")) as f:
         assert json.load(f)["run_id"] not in (saved["run_id"], "another-run")

@@ -354,8 +354,10 @@ def test_sampler_reproduces_its_recording():
     three times) and greedily: the same seed gives the recorded tokens, lengths and finish reasons, and the
     recorded logprobs bit for bit wherever this machine's float32 arithmetic is the recorder's (the probe:
     the bits of one full forward's logits). Elsewhere a matmul that sums in another order changes the last
-    bits; the test then says so and skips the bitwise part. (Recorded from the sampler before it was split
-    into prefill / decode_one_token / decode_n_tokens and its bookkeeping moved to Watch.)"""
+    bits; the test then says so and skips the bitwise part. (First recorded from the sampler before it was
+    split into prefill / decode_one_token / decode_n_tokens and its bookkeeping moved to Watch, which
+    reproduced it; recorded again, the sampler unchanged, when quantizing on load began to share one global
+    scale across each fused group, which changes the tiny policy's NVFP4 weights.)"""
     with open(RECORDING) as f:
         rec = json.load(f)
     got, probe = recorded_calls()

@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import arith  # noqa: E402
 import countdown  # noqa: E402
+import model_card  # noqa: E402
 import tiny  # noqa: E402
 
 TINY = ROOT / "assets" / "tiny"
@@ -374,7 +375,7 @@ def test_report_only_with_force_rewrites_only_the_measured_table(tmp_path, monke
     meta = tiny.main(tiny.parse_args(["--report-only", "--force", "--out", str(dst), "--device", "cpu",
                                       "--eval-size", "3", "--eval-samples", "5"]))
     new = (dst / "README.md").read_text()
-    a, b = tiny.table_block(old), tiny.table_block(new)
+    a, b = model_card.table_block(old), model_card.table_block(new)
     old_lines, new_lines = old.split("\n"), new.split("\n")
     assert old_lines[:a[0]] == new_lines[:b[0]] and old_lines[a[1]:] == new_lines[b[1]:]
     assert "first 3 problems; 5 samples each" in new_lines[b[0]] and "| 0.500 | 0.250 | 0.500 | 0.750 |" in new

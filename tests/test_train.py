@@ -6,6 +6,7 @@ a GPU the run is another, in bf16, and some kernels sum in other orders from run
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,10 +19,14 @@ import torch
 
 import adapters
 import fp4_gemm
+import grpo
 import hub
 import lora
 import model as M
+import recipes
+import runs
 import train
+from logprobs import completion_logprobs, micro_batches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Measurements that legitimately differ between two runs of the same seed.
@@ -97,9 +102,9 @@ def test_the_tiny_demo_takes_the_cpu_where_there_is_a_gpu(monkeypatch):
     """The tiny recipe runs on the CPU unless asked otherwise (on an H200 its bf16 run learned less in
     10 steps than the fp32 one the tests and the README measure); the paper's recipe takes the GPU."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert train.recipe(train.parse_args([])).device == "cpu"
-    assert train.recipe(train.parse_args(["--device", "cuda"])).device == "cuda"
-    args = train.recipe(train.parse_args(["--model", "qwen2.5-7b"]))
+    assert recipes.parse([]).device == "cpu"
+    assert recipes.parse(["--device", "cuda"]).device == "cuda"
+    args = recipes.parse(["--model", "qwen2.5-7b"])
     assert args.device is None and hub.resolve_device(args.device).type == "cuda"
 
 
@@ -111,49 +116,52 @@ def small_checkpoint(out, step, run_id="r"):
     params = lora.apply_lora(m, rank=2, alpha=2)
     opt = torch.optim.AdamW(params, lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    train.save_checkpoint(str(out), m, opt, sched, {"step": step, "run_id": run_id})
+    runs.save_checkpoint(str(out), m, opt, sched, {"step": step, "run_id": run_id, "data_pos": 0, "baseline_accuracy": 0.5})
 
 
 def test_resume_finds_the_checkpoint_a_crash_left(tmp_path):
     """A crash between save_checkpoint's two renames leaves only checkpoint.old/: --resume must start from
     it (it once failed the argument check, which looked for checkpoint/ alone); a complete checkpoint/
     wins over it, and a folder without state.pt does not count."""
-    args = train.recipe(train.parse_args(["--resume", str(tmp_path)]))
-    with pytest.raises(SystemExit, match="no checkpoint/ folder"):
-        train.check_args(args)
     small_checkpoint(tmp_path, 3)
     os.replace(tmp_path / "checkpoint", tmp_path / "checkpoint.old")  # as a crash between the renames leaves it
     os.makedirs(tmp_path / "checkpoint")  # (no state.pt yet)
-    train.check_args(args)
-    path, state = train.load_checkpoint(str(tmp_path), "r")
+    assert runs.find_checkpoint(str(tmp_path)).endswith("checkpoint.old")
+    path, state = runs.load_checkpoint(str(tmp_path), "r")
     assert path.endswith("checkpoint.old") and state["step"] == 3
     os.rmdir(tmp_path / "checkpoint")
     small_checkpoint(tmp_path, 4)  # checkpoint/ at 4, checkpoint.old/ (the one before) at 3
-    path, state = train.load_checkpoint(str(tmp_path), "r")
+    path, state = runs.load_checkpoint(str(tmp_path), "r")
     assert path.endswith("checkpoint") and state["step"] == 4
-    assert train.read_checkpoint(str(tmp_path / "checkpoint.old"), "r")["step"] == 3
+    assert runs.read_checkpoint(str(tmp_path / "checkpoint.old"), "r")["step"] == 3
 
 
 def test_resume_of_an_older_run_fills_new_options_with_defaults(tmp_path):
     """A run started before an option existed resumes: the option takes its default, every saved
     setting is kept (a saved value that differs from the default shows that it wins)."""
-    saved = {k: v for k, v in vars(train.parse_args(["--steps", "7"])).items() if k != "no_compile"}
+    saved = {k: v for k, v in vars(recipes.parse(["--steps", "7"])).items() if k != "no_compile"}
     with open(tmp_path / "args.json", "w") as f:
         json.dump(saved, f)
-    args = train.saved_args(str(tmp_path))
+    args = recipes.saved_args(str(tmp_path))
     assert args.no_compile is False and args.steps == 7 and args.resume == str(tmp_path)
     assert vars(args) == {**saved, "no_compile": False, "resume": str(tmp_path)}
+    # Options renamed since: an older run's --no-aqn resumes as --aqn off, its settings otherwise as they were.
+    with open(tmp_path / "args.json", "w") as f:
+        json.dump({**{k: v for k, v in saved.items() if k not in ("aqn", "dynamic_sampling")}, "no_aqn": True,
+                   "no_dynamic_sampling": False}, f)
+    args = recipes.saved_args(str(tmp_path))
+    assert args.aqn is False and args.dynamic_sampling is True and not hasattr(args, "no_aqn")
 
 
 def test_help_shows_real_defaults_only(capsys):
-    """--help prints each option's default, but never "default: None": those options' defaults depend on
-    the model or --algo, and their help says how."""
+    """--help prints each option's default, but never "default: None": a recipe fills those, and the help
+    prints the value of the recipe the rest of the command line picks (tiny with none)."""
     with pytest.raises(SystemExit):
-        train.parse_args(["--help"])
+        recipes.parse(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "default: None" not in text
     assert "policy-gradient algorithm (default: dapo)" in text
-    assert "(default: arith for tiny, gsm8k otherwise)" in text
+    assert "training set: arith, gsm8k" in text and "[tiny, dapo: arith; arith.py" in text
 
 
 def test_unknown_model_or_bad_data_fails_clearly(tmp_path):
@@ -178,8 +186,8 @@ def test_nonfinite_loss_skips_the_update(monkeypatch, tmp_path):
     """A NaN loss must not reach the weights: the step is skipped and says so (the schedule still counts
     it, without torch's warning about a scheduler step before the optimizer's first)."""
     out = str(tmp_path / "nan")
-    real = train.grpo.policy_loss
-    monkeypatch.setattr(train.grpo, "policy_loss", lambda *a, **k: (lambda l, m: (l * float("nan"), m))(*real(*a, **k)))
+    real = grpo.policy_loss
+    monkeypatch.setattr(grpo, "policy_loss", lambda *a, **k: (lambda l, m: (l * float("nan"), m))(*real(*a, **k)))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         train.main(["--steps", "1", "--prompts", "4", "--group-size", "4", "--eval-limit", "8", "--out", out])
@@ -190,61 +198,18 @@ def test_nonfinite_loss_skips_the_update(monkeypatch, tmp_path):
     assert all(torch.equal(B, torch.zeros_like(B)) for B in bs)  # nothing moved
 
 
-def test_checkpointing_auto_turns_it_off_only_where_the_activations_fit(monkeypatch):
-    """--checkpointing auto on a GPU: off when the largest micro-batch's activations fit, with 10% and
-    1 GiB to spare, in the free memory within the per-process cap; on otherwise; on and off as told."""
-    cfg = M.qwen25_config("7b")
-    need = train.activation_bytes(cfg, 8 * 1280, torch.bfloat16)  # 7B, 8 sequences of 256 + 1024 tokens
-    assert 0.95 < need / (8 * 1280) / 4.28e6 < 1.1  # measured on the H200: 4.28 MB a token (results/bench_h200.md)
-    # the same 8 sequences as the samples of one prompt: its 256 tokens once, the whole sequences in attention
-    packed = train.micro_batch_bytes(cfg, torch.bfloat16, [[1] * 256] * 8, [1024] * 8)
-    assert packed == train.activation_bytes(cfg, 256 + 8 * 1024, torch.bfloat16, attended=7 * 256)
-    assert 0.95 < packed / 38.3e9 < 1.1  # the peak measured for such a micro-batch (results/bench_h200.md)
-    # two prompts of 3 and 2 samples, completions of different lengths: padding counts in attention only
-    p, q = [1, 2, 3], [4, 5]
-    assert train.micro_batch_bytes(cfg, torch.bfloat16, [p, p, p, q, q], [4, 6, 1, 5, 2]) == train.activation_bytes(
-        cfg, 3 + 4 + 6 + 1 + 2 + 5 + 2, torch.bfloat16, attended=5 * 9 - 23)
-    gpu = type("FakeModel", (), {"device": torch.device("cuda"), "config": cfg, "dtype": torch.bfloat16})()
-    used, total = 16e9, 150e9
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: used)
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: used + 4e9)  # 4 GB idle in torch's cache
-    for free, cap, on in ((100e9, 150e9, False),  # plenty
-                          (1.1 * need + 2**30 - 4e9 - 1e8, 150e9, True),  # free + idle just too small
-                          (100e9, used + 1.1 * need + 2**30 + 1e8, False),  # a cap just large enough
-                          (100e9, used + 1.1 * need + 2**30 - 1e8, True)):  # a cap just too small
-        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (free, total))
-        monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d: cap / total)
-        args = train.parse_args(["--model", "qwen2.5-7b"])
-        assert train.checkpointing_on(args, gpu, need) is on, (free, cap)
-        for told in ("on", "off"):
-            args.checkpointing = told
-            assert train.checkpointing_on(args, gpu, need) is (told == "on")
-    cpu = type("FakeModel", (), {"device": torch.device("cpu"), "config": cfg, "dtype": torch.float32})()
-    assert train.checkpointing_on(train.parse_args([]), cpu, need) is True
+def fixed_batch(prompts, ro, rewards, mask_truncated=True):
+    """Stages 2 to 4 of train.py on a given rollout and rewards (P, G) in place of the graded ones: the
+    groups (train.groups_of), their advantages, this process's training batch."""
+    P, G = rewards.shape
+    zero = torch.zeros_like(rewards)
+    groups = train.groups_of(list(range(P)), torch.stack([rewards, zero, zero, ro.lengths.view(P, G).float()]), ro)
+    return train.training_batch(groups, grpo.group_advantages(rewards), prompts.__getitem__, mask_truncated, "cpu")
 
 
-def test_micro_batches_hold_whole_sequences_and_pack_short_ones():
-    """--micro-batch 8: completions at the length limit go 8 to a micro-batch, whether or not prompts are
-    shared; shorter ones share micro-batches of no more memory (micro_batch_bytes within that of the
-    8-sequence slices at the limit), each slice taking the next sequence until it would not fit."""
-    cfg, bf16 = M.qwen25_config("7b"), torch.bfloat16
-    gen = torch.Generator().manual_seed(0)
-    groups = [torch.randint(0, 1000, (256,), generator=gen).tolist() for _ in range(8)]
-    shared, distinct = [p for p in groups for _ in range(8)], [p + [i] for i in range(8) for p in groups]
-    lengths = torch.randint(1, 400, (64,), generator=gen)
-    lengths[[5, 40]] = 1024  # the long tail
-    for prompts in (shared, distinct):
-        full = [1024] * 64
-        assert train.micro_batches(cfg, bf16, prompts, full, 8, 1024) == [slice(s, s + 8) for s in range(0, 64, 8)]
-        budget = train.micro_batch_bytes(cfg, bf16, prompts[:8], full[:8])
-        slices = train.micro_batches(cfg, bf16, prompts, lengths, 8, 1024)
-        assert [sl.start for sl in slices] == [0] + [sl.stop for sl in slices[:-1]] and slices[-1].stop == 64
-        assert len(slices) < 6
-        for sl in slices:
-            assert train.micro_batch_bytes(cfg, bf16, prompts[sl], lengths[sl]) <= budget
-            if sl.stop < 64:  # the next sequence would not have fit
-                assert train.micro_batch_bytes(cfg, bf16, prompts[sl.start:sl.stop + 1], lengths[sl.start:sl.stop + 1]) > budget
-    assert train.micro_batches(cfg, bf16, shared[:3], torch.tensor([1024, 1, 1]), 1, 1024) == [slice(0, 1), slice(1, 3)]
+def settings(*argv):
+    """train.update's settings as a run with these options would have them."""
+    return train.update_config(recipes.parse(list(argv)))
 
 
 def test_the_update_in_micro_batches_gives_the_full_batch_gradient(hf_folder, monkeypatch):
@@ -261,46 +226,23 @@ def test_the_update_in_micro_batches_gives_the_full_batch_gradient(hf_folder, mo
     lengths = torch.tensor([1, 3, 2, 8, 4, 1, 2, 5])  # two groups of 4 samples; 8 = max_new_tokens
     ro = type("Rollout", (), dict(tokens=torch.randint(0, 101, (8, 8), generator=gen), lengths=lengths,
                                   logprobs=-torch.rand(8, 8, generator=gen), finish=["stop"] * 7 + ["length"]))
-    groups = [dict(item=i, rollout=ro, rows=list(range(4 * i, 4 * i + 4))) for i in range(2)]
-    rewards = torch.tensor([[1.0, 0, 0, 1], [0, 1, 1, 1]])
+    batch = fixed_batch(prompts, ro, torch.tensor([[1.0, 0, 0, 1], [0, 1, 1, 1]]))
     optimizer = torch.optim.SGD(params, lr=0.0)
     sizes, run = [], train.completion_logprobs
     monkeypatch.setattr(train, "completion_logprobs", lambda model, p, *a: sizes.append(len(p)) or run(model, p, *a))
     grads = []
     for mb in (8, 1):
         sizes.clear()
-        args = train.recipe(train.parse_args(["--algo", "dapo", "--micro-batch", str(mb), "--max-new-tokens", "8"]))
-        train.update(args, m, optimizer, params, groups, rewards, lambda i: prompts[i], 0.0, 0, "cpu")
+        train.update(settings("--algo", "dapo", "--micro-batch", str(mb), "--max-new-tokens", "8"), m, optimizer,
+                     params, batch)
         grads.append([p.grad.clone() for p in params])
-        assert sum(sizes) == 8 and len(sizes) == (1 if mb == 8 else len(train.micro_batches(
+        assert sum(sizes) == 8 and len(sizes) == (1 if mb == 8 else len(micro_batches(
             m.config, m.dtype, [prompts[0]] * 4 + [prompts[1]] * 4, lengths, 1, 8)))
     assert 1 < len(sizes) < 8  # several micro-batches, some of several sequences
     assert any(g.abs().max() > 0 for g in grads[0])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
-
-def test_completion_logprobs_match_a_forward_of_each_whole_sequence(hf_folder):
-    """completion_logprobs (each prompt run once for its samples, lm_head in chunks) against a plain forward
-    of every prompt + completion: the same logprobs and entropies at temperature 0.7, zeros past each
-    length. Two prompts of different lengths, rows of different lengths (one of a single token), and a
-    chunk that splits rows."""
-    _, folder = hf_folder("qwen2", num_hidden_layers=3)
-    m = M.Transformer.from_pretrained(folder, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(3)
-    a, b = torch.randint(0, 101, (6,), generator=gen).tolist(), torch.randint(0, 101, (9,), generator=gen).tolist()
-    prompts = [a] * 3 + [b] * 2
-    completions = torch.randint(0, 101, (5, 7), generator=gen)
-    lengths = torch.tensor([4, 7, 1, 5, 3])
-    with torch.no_grad():
-        logp, ent = train.completion_logprobs(m, prompts, completions, lengths, 0.7, chunk=4)
-        for i, p in enumerate(prompts):
-            n = int(lengths[i])
-            z = m(torch.tensor([p + completions[i, :n].tolist()]))[0, len(p) - 1: len(p) - 1 + n] / 0.7
-            want = z.log_softmax(-1)
-            torch.testing.assert_close(logp[i, :n], want.gather(1, completions[i, :n, None])[:, 0], rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(ent[i, :n], -(want.exp() * want).sum(-1), rtol=1e-5, atol=1e-5)
-            assert not logp[i, n:].any() and not ent[i, n:].any()
 
 
 def test_ratio_modes_on_the_tiny_policy_with_aqn_and_trained_norms():
@@ -325,15 +267,11 @@ def test_ratio_modes_on_the_tiny_policy_with_aqn_and_trained_norms():
     with torch.no_grad(), aqn.noise(model, 1e-2, torch.Generator().manual_seed(0)):
         ro = rollout.generate(model.eval(), prompts, n=4, max_new_tokens=12, temperature=1.0, seed=3)
     assert all(torch.equal(p, b) for p, b in zip(norms, before))  # the noise is gone, bit for bit
-    groups = [dict(item=i, rollout=ro, rows=list(range(4 * i, 4 * i + 4))) for i in range(3)]
-    rewards = torch.tensor([[1.0, 0, 0, 1], [0, 1, 1, 0], [1, 0, 1, 1]])
+    batch = fixed_batch(prompts, ro, torch.tensor([[1.0, 0, 0, 1], [0, 1, 1, 0], [1, 0, 1, 1]]), mask_truncated=False)
     seen = {}
     for mode in ("trainer", "sampler", "tis"):
-        args = train.recipe(train.parse_args(["--ratio", mode, "--tis-cap", "1.01", "--max-new-tokens", "12",
-                                                   "--no-mask-truncated"]))
-        optimizer = torch.optim.SGD(params + norms, lr=0.0)
-        seen[mode] = train.update(args, model, optimizer, params + norms, groups, rewards, lambda i: prompts[i],
-                                  0.0, 0, "cpu")
+        cfg = settings("--ratio", mode, "--tis-cap", "1.01", "--max-new-tokens", "12")
+        seen[mode] = train.update(cfg, model, torch.optim.SGD(params + norms, lr=0.0), params + norms, batch)
     t, s, w = seen["trainer"], seen["sampler"], seen["tis"]
     assert t["ratio_mean"] == 1.0 and t["clip_frac_low"] == t["clip_frac_high"] == 0.0 and t["kl_old"] == 0.0
     assert t["mismatch_kl"] > 0 and t["mismatch_ratio_max"] > 1.0  # AQN's samples are off the trainer's policy
@@ -346,31 +284,26 @@ def test_ratio_modes_on_the_tiny_policy_with_aqn_and_trained_norms():
         for p in norms:
             p.add_(0.05)
     trained = [p.detach().clone() for p in norms]
-    args = train.recipe(train.parse_args(["--algo", "grpo", "--max-new-tokens", "12", "--no-mask-truncated"]))
-    g = train.update(args, model, torch.optim.SGD(params + norms, lr=0.0), params + norms, groups, rewards,
-                     lambda i: prompts[i], 0.0, 0, "cpu")
+    g = train.update(settings("--algo", "grpo", "--max-new-tokens", "12"), model,
+                     torch.optim.SGD(params + norms, lr=0.0), params + norms, batch)
     assert g["kl_ref"] > 0 and g["ratio_mean"] == 1.0
     assert [p.data_ptr() for p in norms] == ptrs and all(torch.equal(p, t) for p, t in zip(norms, trained))
 
 
 def test_help_of_the_paper_recipe_prints_its_values(capsys):
-    """`train.py --model qwen2.5-7b --algo dapo --help` shows the values recipe() fills for that model, and
-    the fixed defaults of the official script (the table in train.py's docstring)."""
+    """`train.py --model qwen2.5-7b --algo dapo --help` shows, for each option a recipe sets, the gsm8k recipe's
+    value and its source (recipes.py's table); options no recipe sets show their plain default."""
     with pytest.raises(SystemExit):
-        train.parse_args(["--model", "qwen2.5-7b", "--algo", "dapo", "--help"])
+        recipes.parse(["--model", "qwen2.5-7b", "--algo", "dapo", "--help"])
     raw = capsys.readouterr().out
     text = " ".join(raw.split())
-    which = "[--model qwen2.5-7b --algo dapo --quant nvfp4:"
-    for option, value in (("lr", "1e-05"), ("max-new-tokens", "2048"), ("warmup-steps", "50"), ("min-lr-ratio", "0.0"),
-                          ("overlong-buffer", "0"), ("eps-high", "0.28"), ("beta", "0.0")):
+    for option, value in (("lr", "1e-05"), ("max-new-tokens", "2048"), ("min-lr-ratio", "0.0"), ("reward", "paper"),
+                          ("eval-max-new-tokens", "1024"), ("eps-high", "0.28"), ("beta", "0.0"), ("lora-rank", "16")):
         entry = re.search(rf"^  --{option} .*?(?=^  -)", raw, re.S | re.M).group(0)  # the option's own help
-        assert f"{which} {value}]" in " ".join(entry.split()), option
-    for fixed in ("AdamW beta2 (beta1 0.9) (default: 0.99)", "max global grad norm (default: 0.2)",
-                  "[--model qwen2.5-7b --algo dapo --quant nvfp4: 16]", "the official --ln True (default: True)",
-                  "official mask_truncated_completions (default: True)", "(default: trainer)"):
-        assert fixed in text, fixed
-    args = train.recipe(train.parse_args(["--model", "qwen2.5-7b", "--algo", "dapo", "--quant", "bf16"]))
-    assert (args.lr, args.steps, args.warmup_steps, args.sigma_end) == (5e-6, 500, 50, 1e-4)
+        assert f"[gsm8k, dapo: {value};" in " ".join(entry.split()), option
+    assert "max_grad_norm" in text and "(default: trainer)" not in text and "(default: 2.0)" in text
+    args = recipes.parse(["--model", "qwen2.5-7b", "--algo", "dapo", "--quant", "bf16"])
+    assert args.recipe == "gsm8k-bf16" and (args.lr, args.steps, args.warmup_steps, args.aqn) == (5e-6, 500, 50, False)
 
 
 @pytest.mark.skipif(not fp4_gemm.fp8_supported(torch.device("cpu")), reason="this torch's CPU _scaled_mm has no row-wise scales")
@@ -389,17 +322,15 @@ def test_fp8_update_runs_the_base_gemms_in_fp8_and_nothing_else(hf_folder, monke
     prompts = [torch.randint(0, 101, (7,), generator=gen).tolist()]
     ro = type("Rollout", (), dict(tokens=torch.randint(0, 101, (4, 6), generator=gen), lengths=torch.tensor([6, 3, 5, 2]),
                                   logprobs=-torch.rand(4, 6, generator=gen), finish=["stop"] * 4))
-    groups = [dict(item=0, rollout=ro, rows=[0, 1, 2, 3])]
-    rewards = torch.tensor([[1.0, 0, 0, 1]])
+    batch = fixed_batch(prompts, ro, torch.tensor([[1.0, 0, 0, 1]]))
     optimizer = torch.optim.SGD(params, lr=0.0)
     calls = []
     for name in ("linear", "dx"):
         monkeypatch.setattr(fp8, name, (lambda f, n: lambda *a: calls.append(n) or f(*a))(getattr(fp8, name), name))
     grads, metrics = [], []
     for flag in ([], ["--fp8-update"]):
-        args = train.recipe(train.parse_args(["--algo", "dapo", "--max-new-tokens", "6", "--no-compile",
-                                              "--checkpointing", "off"] + flag))  # (on: forward twice)
-        metrics.append(train.update(args, m, optimizer, params, groups, rewards, lambda i: prompts[i], 0.0, 0, "cpu"))
+        cfg = settings("--algo", "dapo", "--max-new-tokens", "6", "--no-compile", "--checkpointing", "off", *flag)
+        metrics.append(train.update(cfg, m, optimizer, params, batch))  # (checkpointing on: forward twice)
         grads.append(torch.cat([p.grad.flatten() for p in params]))
         assert not fp4_gemm._choice["fp8"]
     layers = 7 * 2  # q, k, v, o, gate, up, down in each of 2 blocks
@@ -423,7 +354,7 @@ def started(out, **marker):
     os.makedirs(out)
     hub.mark(str(out), "train.py", **marker)
     with open(os.path.join(out, "args.json"), "w") as f:
-        json.dump(vars(train.parse_args([])), f)
+        json.dump(vars(recipes.parse([])), f)
     open(os.path.join(out, "metrics.jsonl"), "w").close()
     return sorted(os.listdir(out))
 
@@ -453,7 +384,7 @@ def test_a_run_started_in_a_folder_is_never_deleted_by_a_new_one(tmp_path, monke
         train.main(common + ["--out", only_marker])
     with pytest.raises(AssertionError, match="a model was loaded"):  # --force starts over
         train.main(common + ["--out", only_marker, "--force"])
-    assert os.listdir(only_marker) == [hub.MARKER]
+    assert sorted(os.listdir(only_marker)) == [runs.LOCK, hub.MARKER]  # the lock file stays; its lock went with the run
 
 
 def test_default_out_folders_of_runs_started_in_the_same_second_differ(tmp_path, monkeypatch):
@@ -463,10 +394,10 @@ def test_default_out_folders_of_runs_started_in_the_same_second_differ(tmp_path,
     monkeypatch.setattr(time, "strftime", lambda fmt, *a: "20250101-000000")
     outs = []
     for _ in range(2):
-        args = train.recipe(train.parse_args(["--steps", "2"]))
-        args.run_id = uuid.uuid4().hex
-        outs.append(train.prepare_out(args))
-        assert outs[-1] == os.path.join("runs", f"20250101-000000-{args.run_id[:6]}")
+        run_id = uuid.uuid4().hex
+        outs.append(runs.default_out(run_id))
+        runs.open_run(outs[-1], run_id, resume=None, sources=[]).release()
+        assert outs[-1] == os.path.join("runs", f"20250101-000000-{run_id[:6]}")
     assert outs[0] != outs[1] and all(os.path.isdir(o) and hub.written_by(o) == "train.py" for o in outs)
 
 
@@ -486,15 +417,19 @@ def resumable(out, step, steps, summary_steps=None):
 
 def test_an_extension_killed_in_its_final_evaluation_can_finish(tmp_path, monkeypatch):
     """A 2-step run extended with --resume --steps 3 and killed during its final evaluation holds the
-    3-step checkpoint and the 2-step run's summary.json: --resume must finish it (run the final evaluation),
-    and moves the stale summary aside, kept. A run whose summary is of its checkpoint's step is finished."""
+    3-step checkpoint and the 2-step run's summary.json: --resume must go on to finish it (here: past every
+    check, to the model's loading). A resume that fails there changes nothing in the folder: the shorter
+    run's summary moves aside only when the longer one writes its own (tests/test_resume.py). A run whose
+    summary is of its checkpoint's step is finished."""
     no_model(monkeypatch)
     killed, done = tmp_path / "killed", tmp_path / "done"
     resumable(killed, step=3, steps=3, summary_steps=2)
+    before = {f: (killed / f).read_bytes() for f in sorted(os.listdir(killed)) if (killed / f).is_file()}
     with pytest.raises(AssertionError, match="a model was loaded"):  # (past the checks: on to the final evaluation)
         train.main(["--resume", str(killed)])
-    assert not (killed / "summary.json").exists()
-    assert json.loads((killed / "summary.2-steps.json").read_text())["final_accuracy"] == 0.5
+    after = {f: (killed / f).read_bytes() for f in sorted(os.listdir(killed)) if (killed / f).is_file()}
+    assert {f: v for f, v in after.items() if f not in (runs.LOCK, hub.MARKER)} == \
+        {f: v for f, v in before.items() if f not in (runs.LOCK, hub.MARKER)}
     resumable(done, step=3, steps=3, summary_steps=3)
     with pytest.raises(SystemExit, match="the run has done 3 steps; pass a larger --steps"):
         train.main(["--resume", str(done)])
@@ -516,10 +451,10 @@ def test_data_without_a_held_out_split_is_refused_before_any_download(tmp_path, 
     data.write_text('{"question": "1+1", "answer": "2"}\n')
     for argv, message in ((["--data", str(data)], f"--data {data} is read as a file, whose items are what the run "
                                                   f"trains on: pass --eval-data FILE or a named test set (gsm8k, "
-                                                  f"math500, aime24, amc23, arith)"),
+                                                  f"math500, aime24, amc23, arith, countdown)"),
                           (["--data", "bigmath"], "--data bigmath has no test split to evaluate on: pass --eval-data"),
                           (["--data", "gsm8k", "--eval-data", "dapo-math"], "--eval-data dapo-math has no test split"),
-                          (["--data", "math500"], "train on arith, gsm8k, bigmath, bigmath-hard, dapo-math or a "
+                          (["--data", "math500"], "train on arith, gsm8k, bigmath, bigmath-hard, dapo-math, countdown or a "
                                                   ".jsonl file, and evaluate on it with --eval-data math500")):
         with pytest.raises(SystemExit) as e:
             train.main(argv + ["--out", str(tmp_path / "run")])
@@ -528,40 +463,124 @@ def test_data_without_a_held_out_split_is_refused_before_any_download(tmp_path, 
         train.main(["--data", "gone.jsonl", "--eval-data", "gone.jsonl", "--out", str(tmp_path / "run")])
     assert str(e.value).count("no data file at gone.jsonl") == 1, str(e.value)
     assert not (tmp_path / "run").exists()
-    train.check_args(train.recipe(train.parse_args(["--data", str(data), "--eval-data", "arith"])))
-    assert "bigmath-hard" in " ".join(train.build_parser().format_help().split())  # (--data's help lists it)
+    recipes.parse(["--data", str(data), "--eval-data", "arith"])
+    assert "bigmath-hard" in " ".join(recipes.build_parser().format_help().split())  # (--data's help lists it)
 
 
 def test_aqn_needs_two_stages():
     """--aqn-stages 1 is refused with the others, before any model loads (aqn.AQNSchedule would refuse it
     after)."""
     with pytest.raises(SystemExit, match=re.escape("--aqn-stages 1: must be an integer >= 2 (stage 0 is noise-free)")):
-        train.check_args(train.recipe(train.parse_args(["--aqn-stages", "1"])))
+        recipes.parse(["--aqn-stages", "1"])
 
 
 def test_a_format_reward_needs_a_prompt_that_asks_for_a_form():
     """--prompt bare asks for no answer form: a format weight with it is refused before any model loads
     (tasks.check_reward), and without one the bare prompt is fine."""
     with pytest.raises(SystemExit, match="--reward strict: the bare prompt asks for no answer form"):
-        train.check_args(train.recipe(train.parse_args(["--prompt", "bare", "--reward", "strict",
-                                                        "--format-reward", "0.1"])))
-    train.check_args(train.recipe(train.parse_args(["--prompt", "bare"])))  # (tiny: format weight 0)
+        recipes.parse(["--prompt", "bare", "--reward", "strict", "--format-reward", "0.1"])
+    assert recipes.parse(["--prompt", "bare"]).prompt == "bare"  # (tiny: no format weight, so accepted)
 
 
 def test_the_tiny_recipe_follows_the_model_not_its_spelling():
     """--model TINY or the bundled folder by its path is the tiny policy, and gets its recipe; others get the
     paper's."""
     for name in ("tiny", "TINY", hub.ALIASES["tiny"], os.path.relpath(hub.ALIASES["tiny"])):
-        args = train.recipe(train.parse_args(["--model", name]))
+        args = recipes.parse(["--model", name])
         assert (args.lr, args.data, args.device) == (2e-3, "arith", "cpu"), name
-    assert train.recipe(train.parse_args(["--model", "qwen2.5-7b"])).lr == 1e-5
+    assert recipes.parse(["--model", "qwen2.5-7b"]).lr == 1e-5
 
 
-def test_the_start_up_lines_name_fp4_kernels_only_for_an_nvfp4_base(capsys):
-    cfg = M.Config({"model_type": "qwen2", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
-                    "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1})
-    m = M.Transformer.from_random(cfg, dtype=torch.float32)
-    for quant in ("nvfp4", "bf16"):
-        args = train.recipe(train.parse_args(["--quant", quant]))
-        train.describe(args, m, [], 1000, None, 10, 5, train.ddp.World(), torch.device("cpu"), "runs/x")
-        assert ("fp4 matmuls" in capsys.readouterr().out) is (quant == "nvfp4")
+def test_dynamic_sampling_keeps_the_informative_groups_in_order(tmp_path, monkeypatch, capsys):
+    """DAPO's rounds in train.py's loop, with each round's correctness scripted: a group whose samples all
+    agree is filtered, the informative ones are kept in the order sampled, the step stops sampling once it
+    holds --prompts of them (the surplus dropped), and after --max-sampling-rounds it trains on what it has
+    and says it fell short. GRPO and --no-dynamic-sampling keep every group of a single round."""
+    script = [[[1, 1, 1, 1], [0, 1, 0, 0], [0, 0, 0, 0]],  # step 0: one informative group ...
+              [[1, 0, 0, 0], [1, 1, 1, 1], [0, 1, 1, 0]],  # ... then two: three held, the step's batch full
+              [[0, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]],  # step 1: none ...
+              [[0, 0, 0, 0], [0, 0, 1, 0], [1, 1, 1, 1]]]  # ... then one, and the rounds are spent
+    real, rounds, asked = train.reward, iter(script), []
+
+    def scripted(*a, **k):
+        groups = real(*a, **k)
+        for g, c in zip(groups, torch.tensor(next(rounds), dtype=torch.float32)):
+            g.correct = g.reward = c
+        asked.append([g.item["question"] for g in groups])
+        return groups
+
+    monkeypatch.setattr(train, "reward", scripted)
+    common = ["--steps", "2", "--prompts", "3", "--group-size", "4", "--max-new-tokens", "8", "--eval-limit", "4",
+              "--max-sampling-rounds", "2", "--log-samples", "3"]
+    out = str(tmp_path / "dapo")
+    train.main(common + ["--out", out])
+    m = read_metrics(out)
+    assert [(r["rounds"], r["filtered_groups"], r["groups"]) for r in m] == [(2, 3, 3), (2, 5, 1)]
+    logged = [json.loads(line) for line in open(os.path.join(out, "samples.jsonl"))]
+    assert [s["question"] for s in logged] == [asked[0][1], asked[1][0], asked[1][2], asked[3][1]]
+    assert "step 1: dynamic sampling fell short: 1/3 informative groups after 2 rounds" in capsys.readouterr().out
+    for flags in (["--algo", "grpo"], ["--no-dynamic-sampling"]):
+        rounds, asked[:] = iter(script), []
+        out = str(tmp_path / flags[-1].strip("-"))
+        train.main(common + flags + ["--out", out])
+        assert [(r["rounds"], r["filtered_groups"], r["groups"]) for r in read_metrics(out)] == [(1, 0, 3), (1, 0, 3)]
+
+
+def test_the_step_is_planned_into_the_gpu_before_the_model_loads(tmp_path, capsys):
+    """plan_step on the Qwen2.5-72B shape (its config.json beside the tiny tokenizer): in 80 GB the plan is
+    printed and fits; at rank 256 it stops naming the rank that fits, and in 30 GB says nothing fits; on the CPU (no cap) nothing is planned;
+    a completion budget beyond the model's positions is refused naming its flag. Nothing loads weights."""
+    folder = tmp_path / "qwen72b-shape"
+    folder.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(hub.ALIASES["tiny"], f), folder / f)
+    (folder / "config.json").write_text(json.dumps({**M.qwen25_config("72b").raw, "max_position_embeddings": 32768}))
+    args = recipes.parse(["--model", str(folder), "--data", "gsm8k", "--prompts", "8", "--max-new-tokens", "1024"])
+    items = [{"question": "what is " + "1 + " * n + "1?", "answer": "1", "kind": "gsm8k"} for n in range(1, 40)]
+    plan = train.plan_step(args, str(folder), (items, items), 80e9, train.ddp.World())
+    shown = capsys.readouterr().out
+    assert plan.fits and "memory plan" in shown and "NVFP4 linear weights" in shown
+    assert plan.rollout_rows % args.group_size == 0 and plan.rollout_rows >= args.group_size
+    args.lora_rank = 256
+    with pytest.raises(ValueError, match=r"does not fit in 80.0 GB of GPU memory: .*lora_rank \(--lora-rank\) \d+ or lower"):
+        train.plan_step(args, str(folder), (items, items), 80e9, train.ddp.World())
+    with pytest.raises(ValueError, match="no setting of the step fits it on this GPU"):
+        train.plan_step(args, str(folder), (items, items), 30e9, train.ddp.World())
+    assert train.plan_step(args, str(folder), (items, items), None, train.ddp.World()) is None
+    args.max_new_tokens = 40000
+    with pytest.raises(ValueError, match="--max-new-tokens 40000: the longest prompt has"):
+        train.plan_step(args, str(folder), (items, items), None, train.ddp.World())
+
+
+def test_a_rollout_in_several_calls_is_the_rollout_in_one():
+    """train.sample in calls of the memory plan's size: each call's rows keep the keys they have in one call
+    (ddp.shift_seed), so the completions and finish reasons are the one call's, and the logprobs up to the
+    rounding of another batch shape."""
+    model, tokenizer = adapters.load_policy("tiny", quant="nvfp4")
+    args = recipes.parse(["--group-size", "3", "--max-new-tokens", "12"])
+    prompts = [tokenizer.encode(f"{a}+{a}=") for a in range(5)]
+    one = train.sample(model, prompts, args, hub.stop_token_ids(tokenizer), None, 0, 1234)
+    split = train.sample(model, prompts, args, hub.stop_token_ids(tokenizer), None, 0, 1234, per_call=2,
+                         keep_cache=False)
+    assert torch.equal(split.lengths, one.lengths) and split.finish == one.finish
+    assert torch.equal(split.prompt_index, one.prompt_index)
+    T = int(one.lengths.max())
+    assert torch.equal(split.tokens[:, :T] * one.mask[:, :T], one.tokens[:, :T] * one.mask[:, :T])
+    # The logprobs: the same tokens' under another batch shape, whose float32 sums (of up to 128 terms: the
+    # hidden size) may round in another order: within 128 units of float32 rounding of the value's size.
+    bound = 128 * torch.finfo(torch.float32).eps * (1 + one.logprobs[:, :T].abs())
+    assert ((split.logprobs[:, :T] - one.logprobs[:, :T]).abs() <= bound).all()
+
+
+def test_a_16_bit_run_logs_no_noise_and_an_nvfp4_run_does(tmp_path):
+    """`train.py --quant bf16 --steps 3` logs sigma 0 at every step, with AQN off in its summary; the NVFP4 run
+    with the same settings draws noise after its noise-free first stage."""
+    sigmas = {}
+    for quant in ("bf16", "nvfp4"):
+        out = tmp_path / quant
+        summary = train.main(["--quant", quant, "--steps", "3", "--aqn-stages", "3", "--eval-limit", "4",
+                              "--prompts", "4", "--group-size", "2", "--max-new-tokens", "8", "--out", str(out)])
+        sigmas[quant] = [m["sigma"] for m in read_metrics(out)]
+        assert summary["aqn"] is (quant == "nvfp4")
+    assert sigmas["bf16"] == [0.0, 0.0, 0.0]
+    assert sigmas["nvfp4"][0] == 0.0 and all(s > 0 for s in sigmas["nvfp4"][1:]), sigmas

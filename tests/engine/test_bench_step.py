@@ -62,6 +62,7 @@ def test_timed_steps_compile_nothing_new(monkeypatch, marks):
     (`marks` False) the first timed step compiles again, and run_mode's count says so. One micro-batch a
     step, so that the warm-up step sees a single shape."""
     import train
+
     monkeypatch.setattr(train, "compile_backend", lambda device, no_compile: "eager")
     if not marks:
         monkeypatch.setattr(torch._dynamo, "maybe_mark_dynamic", lambda t, d: None)
@@ -101,14 +102,15 @@ def test_a_plan_of_several_rollout_calls_samples_the_same_and_releases_the_cache
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 96, (5,), generator=gen).tolist() for _ in range(3)]
     stops = bench_step.stop_ids(a, 96)
-    g1, c1 = bench_step.rollout_groups(model, prompts, a, whole, stops, step=1)
-    g3, c3 = bench_step.rollout_groups(model, prompts, a, split, stops, step=1)
-    assert (len(c1), len(c3)) == (1, 3) and [g["item"] for g in g3] == [0, 1, 2]
-    for x, y in zip(g1, g3):
-        rx, ry = x["rollout"], y["rollout"]
-        for i, j in zip(x["rows"], y["rows"]):
-            n = int(rx.lengths[i])
-            assert n == int(ry.lengths[j]) and torch.equal(rx.tokens[i, :n], ry.tokens[j, :n])
+    c1 = [ro for _, ro in bench_step.rollout_groups(model, prompts, a, whole, stops, step=1)]
+    c3 = bench_step.rollout_groups(model, prompts, a, split, stops, step=1)
+    assert len(c1) == 1 and [lo for lo, _ in c3] == [0, 1, 2]
+    c3 = [ro for _, ro in c3]
+    G = a.group_size
+    for i, ry in enumerate(c3):  # prompt i's rows: rows i*G.. of the one call, rows 0.. of its own call
+        for j in range(G):
+            n = int(ry.lengths[j])
+            assert n == int(c1[0].lengths[i * G + j]) and torch.equal(c1[0].tokens[i * G + j, :n], ry.tokens[j, :n])
     assert len({int(n) for r in c3 for n in r.lengths}) > 2  # (rows of different lengths: stops drawn alike)
     released = []
     monkeypatch.setattr(bench_step.rollout, "release", lambda m: released.append(m))
