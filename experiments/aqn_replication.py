@@ -3,6 +3,8 @@
     python experiments/aqn_replication.py pilot --jobs 8 --time-limit 540       # choose the lr (pilot.json)
     python experiments/aqn_replication.py grid --jobs 12 --time-limit 540       # the arms x seeds; resumable
     python experiments/aqn_replication.py analyze                               # runs.csv, table.md, README
+    python experiments/aqn_replication.py keep                                  # the raw records: runs.tar.gz
+    python experiments/aqn_replication.py analyze --work results/aqn_replication/runs.tar.gz   # from them
     python experiments/aqn_replication.py grid --dry-run                        # the command lines only
 
 The design, fixed before any run (results/aqn_replication/README.md says it in prose, with the commands).
@@ -42,6 +44,9 @@ whose folder holds done.json is skipped; an unfinished one starts again from scr
 resuming would need the taps' records cut back to the checkpoint). After a run its adapter, checkpoint
 and eval samples are deleted (per-problem counts kept), so the work folder stays small enough to carry
 between device calls; every per-step record stays (run/metrics.jsonl, probe.jsonl, heldout.jsonl).
+`keep` archives those records of every finished run (KEEP; small enough to commit, unlike the
+folders) as results/aqn_replication/runs.tar.gz, and `analyze --work` on that archive recomputes pilot.json,
+runs.csv, curves.json, table.md and the plots from it, without the run folders.
 
 The analysis (`analyze`), fixed in advance. Per run (runs.csv): the primary metrics
     reward_area    the fraction of ALL sampled completions that were right (every DAPO round), averaged
@@ -57,6 +62,7 @@ differences over the seeds both arms finished, their mean and 95% t-interval, an
 sign-flip p (all 2^n sign patterns); for the primaries also the Holm-adjusted p over the four contrasts
 (each primary its own family), the TOST equivalence p with margin MARGIN (two one-sided t-tests at 5%),
 and the detectable difference (80% power, two-sided alpha / 4, the observed sd of the differences).
+paired.png shows each contrast on the primaries seed by seed.
 Note that reward_area is measured in each arm's own sampling: noise and a higher temperature lower it by
 themselves, which works against arms 2-6; heldout_pass1 is measured alike for all.
 
@@ -184,7 +190,7 @@ def contrast(a, b, metric):
     sd = float(np.std(d, ddof=1)) if len(d) > 1 else math.nan
     return {"n": len(d), "mean": m, "lo": lo, "hi": hi, "p": sign_flip_p(d) if d else math.nan,
             "tost": tost(d, MARGIN[metric]) if metric in MARGIN else math.nan, "sd": sd,
-            "detectable": detectable(sd, len(d)), "diffs": d}
+            "detectable": detectable(sd, len(d)), "diffs": d, "seeds": seeds}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -694,6 +700,43 @@ def plot(curves, path):
     plt.close(fig)
 
 
+def plot_paired(res, path):
+    """The planned contrasts on the two primaries, seed by seed: each dot one seed's paired difference
+    (its seed number beside it), the square the mean with its 95% t-interval, the dashed lines TOST's margins.
+    A seed far from the others is visible here where the table shows only a wide interval."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(PRIMARY), figsize=(6 * len(PRIMARY), 4.5), squeeze=False)
+    for ax, k in zip(axes.flat, PRIMARY):
+        names = []
+        for i, c in enumerate(c for c in CONTRASTS if k in res["contrasts"].get(c, {})):
+            x = res["contrasts"][c][k]
+            names.append(f"{c[0]}-{c[1]}")
+            offsets = np.linspace(-0.15, 0.15, max(len(x["diffs"]), 1))
+            ax.scatter(i + offsets, x["diffs"], s=14, color="tab:blue", zorder=3)
+            for dx, d, seed in zip(offsets, x["diffs"], x["seeds"]):
+                ax.annotate(str(seed), (i + dx, d), xytext=(3, 0), textcoords="offset points", fontsize=6,
+                            va="center")
+            if np.isfinite(x["lo"]):
+                ax.errorbar(i + 0.3, x["mean"], yerr=[[x["mean"] - x["lo"]], [x["hi"] - x["mean"]]], fmt="s",
+                            color="black", capsize=4, zorder=4)
+        ax.axhline(0, color="gray", lw=0.8)
+        for m in (-MARGIN[k], MARGIN[k]):
+            ax.axhline(m, color="gray", lw=0.8, ls="--")
+        ax.set_xticks(range(len(names)), names)
+        ax.set_xlabel("contrast (arm minus arm, same seed)")
+        ax.set_ylabel(f"{LABELS.get(k, k)} difference")
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle("paired differences: dots are seeds, the square the mean with its 95% t-interval; dashed: "
+                 "TOST margins", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
 def write_rows(path, rows):
     fields = list(dict.fromkeys(k for r in rows for k in r))
     with open(path, "w", newline="") as f:
@@ -752,6 +795,47 @@ def pilot_md(pilot):
 
 
 # ---------------------------------------------------------------------------------------------
+# Keeping every run's raw records in the repository
+# ---------------------------------------------------------------------------------------------
+
+# What a finished run folder holds that the analysis reads (collect_run, write_pilot), plus the two small
+# files a reader wants beside them (train.py's args.json: the run's full settings; eval.py's per-problem
+# right counts). The logs, train.py's plot and its few sample texts are left out.
+KEEP = ("done.json", "probe.jsonl", "heldout.jsonl", "tf_entropy.json", f"{TRAIN_DIR}/metrics.jsonl",
+        f"{TRAIN_DIR}/summary.json", f"{TRAIN_DIR}/args.json", f"{EVAL_DIR}/summary.json", f"{EVAL_DIR}/per_item.json")
+
+
+def keep(work, path):
+    """Write `path` (a .tar.gz): KEEP's files of every finished run folder in `work`, as RUN/FILE. Byte for
+    byte the same from the same records (sorted members, no times or owners), so a rewrite shows in git only
+    when a record changed. Returns the number of runs kept."""
+    import gzip
+
+    runs = sorted(d for d in os.listdir(work) if done(os.path.join(work, d)))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, filename="") as gz, \
+            tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for run in runs:
+            for name in KEEP:
+                src = os.path.join(work, run, name)
+                if not os.path.exists(src):
+                    continue
+                info = tar.gettarinfo(src, arcname=f"{run}/{name}")
+                info.mtime, info.uid, info.gid, info.uname, info.gname, info.mode = 0, 0, 0, "", "", 0o644
+                with open(src, "rb") as f:
+                    tar.addfile(info, f)
+    os.replace(path + ".tmp", path)
+    return len(runs)
+
+
+def unpack_kept(path, into):
+    """Extract a keep() archive into the folder `into` (its members are checked: plain files under it)."""
+    with tarfile.open(path, "r:gz") as tar:
+        tar.extractall(into, filter="data")
+    return into
+
+
+# ---------------------------------------------------------------------------------------------
 # Packing results for a device call
 # ---------------------------------------------------------------------------------------------
 
@@ -789,12 +873,14 @@ def read_json(path, what):
 def parse_args(argv):
     p = argparse.ArgumentParser(description="The AQN replication: pilot, grid, analysis (see the module docstring).",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("command", choices=("pilot", "grid", "analyze", "pack"), help="what to do")
+    p.add_argument("command", choices=("pilot", "grid", "analyze", "keep", "pack"), help="what to do")
     p.add_argument("paths", nargs="*", help="pack: the files and folders to pack")
     p.add_argument("--out", default="results/aqn_replication", help="the small results (and calibration.json, "
                    "pilot.json)")
     p.add_argument("--work", default="runs/aqn_replication", help="the run folders (not committed; carry it between "
-                   "device calls)")
+                   "device calls); analyze also reads a keep archive instead (results/aqn_replication/runs.tar.gz)")
+    p.add_argument("--keep-to", default=None, help="keep: the archive of every run's raw records to write "
+                   "(default: OUT/runs.tar.gz)")
     p.add_argument("--jobs", type=int, default=12, help="runs at a time, one CPU thread each")
     p.add_argument("--seeds", type=int, default=len(SEEDS), help="grid seeds: 0 .. N-1")
     p.add_argument("--arms", default=None, help="comma-separated arm numbers (default: all)")
@@ -802,6 +888,8 @@ def parse_args(argv):
                    "(e.g. --override='--model tiny --data arith --eval-data arith --device cpu --steps 2')")
     p.add_argument("--pilot-lrs", default=",".join(f"{x:g}" for x in PILOT_LRS), help="pilot: the lrs tried")
     p.add_argument("--pilot-seeds", default=",".join(map(str, PILOT_SEEDS)), help="pilot: the seeds")
+    p.add_argument("--tau-hot", type=float, default=None, help="grid/analyze: the positive control's temperature "
+                   "(default: calibration.json's tau_hot)")
     p.add_argument("--final-items", type=int, default=FINAL_ITEMS, help="eval.py held-out problems a run")
     p.add_argument("--final-samples", type=int, default=FINAL_SAMPLES, help="eval.py samples a problem")
     p.add_argument("--time-limit", type=float, default=None, help="seconds: stop launching, kill the running runs "
@@ -828,11 +916,33 @@ def main(argv=None):
         parts = pack(args.paths, args.pack_to or out, args.pack_name)
         print("wrote " + ", ".join(parts))
         return parts
+    if args.command == "keep":
+        path = args.keep_to or os.path.join(out, "runs.tar.gz")
+        n = keep(work, path)
+        print(f"kept the raw records of {n} runs: {path} ({os.path.getsize(path) / 2**20:.2f} MiB)")
+        return path
+    if work.endswith(".tar.gz"):
+        if args.command != "analyze":
+            sys.exit(f"aqn_replication.py: --work {args.work}: only analyze reads a keep archive")
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            return command(args, out, unpack_kept(work, tmp), t0, deadline)
+    return command(args, out, work, t0, deadline)
+
+
+def command(args, out, work, t0, deadline):
+    """pilot, grid or analyze, on the run folders in `work`."""
     steps = int(common_flags(args.override)["--steps"])
+    pilot_lrs = tuple(float(x) for x in args.pilot_lrs.split(","))
+    pilot_seeds = tuple(int(s) for s in args.pilot_seeds.split(","))
     if args.command == "pilot":
-        lrs = tuple(float(x) for x in args.pilot_lrs.split(","))
-        jobs = pilot_jobs(work, args.override, lrs, tuple(int(s) for s in args.pilot_seeds.split(",")))
+        jobs = pilot_jobs(work, args.override, pilot_lrs, pilot_seeds)
     else:
+        if args.command == "analyze":  # the pilot's choice, recomputed from its runs where they are at hand
+            pjobs = pilot_jobs(work, args.override, pilot_lrs, pilot_seeds)
+            if any(done(j.run_dir) for j in pjobs):
+                write_pilot(pjobs, out, steps)
         cal_path, pilot_path = os.path.join(out, "calibration.json"), os.path.join(out, "pilot.json")
         lr = parse_flags(args.override).get("--lr")
         if args.dry_run:  # (before the calibration and the pilot: their values stay placeholders)
@@ -841,6 +951,8 @@ def main(argv=None):
         else:
             cal = read_json(cal_path, "run experiments/calibrate.py first")
             lr = lr or read_json(pilot_path, "run the pilot first (or pass --lr in --override)")["lr"]
+        if cal is not None and args.tau_hot is not None:
+            cal = {**cal, "tau_hot": args.tau_hot}
         arms = ARMS if not args.arms else [a for a in ARMS if str(a.number) in args.arms.split(",")]
         jobs = grid_jobs(work, cal, None if lr is None else float(lr), args.override, tuple(range(args.seeds)), arms,
                          args.final_items, args.final_samples, placeholders=args.dry_run)
@@ -898,7 +1010,8 @@ def write_results(jobs, out, args):
     rows, curves, dropped = collect(jobs)
     res = analyze(rows)
     settings = (f"{len(rows)} of {len(jobs)} runs finished; train.py flags {' '.join(flag_list(common_flags(args.override, jobs[0].lr)))}; "
-                f"eval.py {args.final_items} held-out problems x {args.final_samples} samples at T=1")
+                f"eval.py {args.final_items} held-out problems x {args.final_samples} samples at T=1"
+                + ("" if args.tau_hot is None else f"; tau_hot {args.tau_hot:g} (--tau-hot, not calibration.json's)"))
     os.makedirs(out, exist_ok=True)
     if rows:
         write_rows(os.path.join(out, "runs.csv"), rows)
@@ -911,6 +1024,8 @@ def write_results(jobs, out, args):
         f.write(table)
     if curves:
         plot(curves, os.path.join(out, "curves.png"))
+    if res["contrasts"]:
+        plot_paired(res, os.path.join(out, "paired.png"))
     readme = os.path.join(out, "README.md")
     if os.path.exists(readme):
         sections = {"results": table.split("\n", 2)[2]}
@@ -925,7 +1040,7 @@ def write_results(jobs, out, args):
     for d in dropped:
         print(f"DROPPED {d}")
     print(f"{len(rows)}/{len(jobs)} runs finished; statement: {statement(res)[0]}; wrote {out}/runs.csv, curves.json, "
-          f"table.md, curves.png")
+          f"table.md, curves.png, paired.png")
     if len(rows) + len(dropped) < len(jobs):
         print("the grid is incomplete: run the same command again to continue")
     return rows

@@ -127,6 +127,12 @@ def test_dry_run_before_calibration_shows_placeholders(tmp_path, capsys):
     assert len(jobs) == len(rep.ARMS) and not (tmp_path / "w").exists()  # nothing run, nothing written
     out = capsys.readouterr().out
     assert "--sigma-start {sigma_star}" in out and "--temperature {tau_hot}" in out and "--lr {lr}" in out
+    (tmp_path / "calibration.json").write_text(json.dumps(CAL))
+    jobs = rep.main(["grid", "--dry-run", "--out", str(tmp_path), "--work", str(tmp_path / "w"), "--seeds", "2",
+                     "--arms", "1,6", "--tau-hot", "1.5", "--override=--lr 5e-4"])
+    assert [(j.arm.number, j.seed) for j in jobs] == [(1, 0), (6, 0), (1, 1), (6, 1)]
+    assert {flag(j.stages[0][1], "--temperature") for j in jobs if j.arm.number == 6} == {"1.5"}
+    assert {flag(j.stages[0][1], "--lr") for j in jobs} == {"0.0005"}
 
 
 def test_missing_flags_are_found(monkeypatch):
@@ -268,6 +274,72 @@ def test_readme_blocks_and_pack(tmp_path):
     assert (unpacked / "src" / "big.bin").read_bytes() == (src / "big.bin").read_bytes()
 
 
+# --- the raw records kept in the repository --------------------------------------------------------
+
+def analyze_into(out, work, *extra):
+    """`analyze` on run folders or a keep archive, into `out` (which needs only calibration.json)."""
+    rep.main(["analyze", "--work", str(work), "--out", str(out), *extra])
+    return {name: (out / name).read_text() for name in ("runs.csv", "table.md", "curves.json")}
+
+
+def test_keep_archives_the_records_and_analyze_reads_them_back(tmp_path):
+    """keep() writes what the analysis reads and nothing bulky; analyze on the archive gives the same
+    files as on the folders; a changed record changes both the archive's bytes and the results."""
+    work, out_dir, out_tar = tmp_path / "work", tmp_path / "a", tmp_path / "b"
+    jobs = rep.grid_jobs(str(work), CAL, 1e-3, seeds=(0, 1), arms=[rep.ARMS[0], rep.ARMS[5]])
+    for k, j in enumerate(jobs):
+        fake_run(j, 0.0, 0.1 + 0.05 * k)
+        os.makedirs(os.path.join(j.run_dir, "run", "adapter"))
+        for bulky in ("train.log", "run/samples.jsonl", "run/adapter/adapter_model.safetensors"):
+            with open(os.path.join(j.run_dir, bulky), "w") as f:
+                f.write("x" * 1000)
+    os.makedirs(work / "unfinished" / "run")  # no done.json: not kept
+    for out in (out_dir, out_tar):
+        out.mkdir()
+        (out / "calibration.json").write_text(json.dumps(CAL))
+    archive = tmp_path / "runs.tar.gz"
+    assert rep.keep(str(work), str(archive)) == 4
+    import tarfile
+
+    with tarfile.open(archive) as tar:
+        names = sorted(tar.getnames())
+    kept = ("done.json", "probe.jsonl", "heldout.jsonl", "tf_entropy.json", "run/metrics.jsonl", "run/summary.json",
+            "eval/summary.json")  # what fake_run writes of KEEP
+    assert names == sorted(f"{os.path.basename(j.run_dir)}/{k}" for j in jobs for k in kept)
+    flags = ["--seeds", "2", "--arms", "1,6", "--override=--lr 1e-3"]
+    from_folders = analyze_into(out_dir, work, *flags)
+    assert analyze_into(out_tar, archive, *flags) == from_folders
+    assert (out_tar / "paired.png").exists() and not (out_tar / "pilot.json").exists()  # no pilot runs here
+    first = archive.read_bytes()
+    rep.keep(str(work), str(archive))
+    assert archive.read_bytes() == first  # the same records, the same bytes
+    probe = os.path.join(jobs[0].run_dir, "probe.jsonl")
+    lines = open(probe).read().replace('"sampled_accuracy": 0.1,', '"sampled_accuracy": 0.9,', 1)
+    open(probe, "w").write(lines)
+    rep.keep(str(work), str(archive))
+    assert archive.read_bytes() != first
+    assert analyze_into(out_tar, archive, *flags)["runs.csv"] != from_folders["runs.csv"]
+    with pytest.raises(SystemExit, match="only analyze"):
+        rep.main(["grid", "--work", str(archive), "--out", str(out_tar)])
+
+
+def test_kept_records_recompute_the_committed_results(tmp_path):
+    """The committed archive of the grid's and the pilot's raw records (results/aqn_replication/runs.tar.gz)
+    gives back, through `analyze`, the committed runs.csv, table.md, curves.json and pilot.json byte for
+    byte, and the README's results block is the table's."""
+    res = os.path.join(ROOT, "results", "aqn_replication")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "calibration.json").write_bytes(open(os.path.join(res, "calibration.json"), "rb").read())
+    got = analyze_into(out, os.path.join(res, "runs.tar.gz"))
+    for name in ("runs.csv", "table.md", "curves.json"):
+        assert got[name] == open(os.path.join(res, name)).read(), name
+    assert (out / "pilot.json").read_text() == open(os.path.join(res, "pilot.json")).read()
+    readme = open(os.path.join(res, "README.md")).read()
+    block = readme.split("<!-- BEGIN results -->\n", 1)[1].split("<!-- END results -->", 1)[0]
+    assert block.strip() == got["table.md"].split("\n", 2)[2].strip()
+
+
 # --- calibration --------------------------------------------------------------------------------
 
 def test_kl_entropy_and_crossings_by_hand():
@@ -355,7 +427,7 @@ def test_pipeline_end_to_end_on_the_tiny_policy(tmp_path):
     assert all(len(h["correct"]) == 3 and h["samples"] == 2 for h in heldout)
     readme = (out / "README.md").read_text()
     assert "sigma* =" in readme and "Chosen lr" in readme and "## Statement: **" in readme
-    assert {p.name for p in out.iterdir()} >= {"runs.csv", "curves.json", "curves.png", "table.md"}
+    assert {p.name for p in out.iterdir()} >= {"runs.csv", "curves.json", "curves.png", "paired.png", "table.md"}
     # a second call finds everything done and launches nothing
     r = subprocess.run(py + ["experiments/aqn_replication.py", "grid", "--arms", "1,4", "--seeds", "2",
                              "--final-items", "3", "--final-samples", "2", *common], cwd=ROOT, capture_output=True, text=True)
