@@ -282,7 +282,7 @@ def build_parser():
     a("--save-every", type=int, default=10, help="checkpoint every N steps (0 = only at the end)")
     a("--out", default=None, help="output folder (default runs/<timestamp>-<run id>): new or empty; a folder "
       "holding an earlier run is refused (continue it with --resume, or replace it with --force)")
-    a("--force", action="store_true", help="start a new run in an --out that holds an earlier run, deleting it")
+    a("--force", action="store_true", help=hub.FORCE_HELP)
     a("--resume", default=None, help="continue the run in this folder from its checkpoint, with its settings "
       "(args.json). Only " + ", ".join(f"--{k.replace('_', '-')}" for k in sorted(RESUMABLE - {"force"})) +
       " may change; a larger --steps extends a run, its extra steps at the schedules' end")

@@ -111,6 +111,8 @@ BEFORE_LOAD = [
     ("eval.py", ["--data", "{long}"], "--data {long}: its longest prompt has"),
     ("eval.py", ["--data", "{long}"], "tokens and tiny takes 512 positions (max_position_embeddings in its config.json): "
                                       "no room for a completion"),
+    ("train.py", ["--max-new-tokens", "10000000"], "--max-new-tokens 10000000: the longest prompt has"),
+    ("train.py", ["--eval-max-new-tokens", "10000000"], "--eval-max-new-tokens 10000000: the longest prompt has"),
     ("eval.py", ["--max-new-tokens", "10000000"], "--max-new-tokens 10000000: the longest prompt of --data arith has"),
     ("eval.py", ["--max-new-tokens", "10000000"], "tiny takes 512 positions (max_position_embeddings in its "
                                                   "config.json); pass --max-new-tokens"),
