@@ -237,18 +237,19 @@ def too_long(longest_prompt, max_new_tokens, positions):
 
 
 def heldout(model, tokenizer, items, *, seed, samples=1, temperature=0.6, top_p=0.95, max_new_tokens=None,
-            prompt="ours", world=None):
-    """A training run's held-out accuracy, graded leniently and strictly: evaluate over `items`, its batch b
-    sampled with seed + b. Under several ranks (a ddp.World) each runs some of the batches with those same
-    seeds, so the counts are the single-process ones (ddp.map_batches). → (accuracy, strict accuracy)."""
+            prompt="ours", world=None, batch_size=None):
+    """A training run's held-out accuracy, graded leniently and strictly: evaluate over `items` in batches
+    of batch_size completions (None: evaluate's default), batch b sampled with seed + b. Under several ranks
+    (a ddp.World) each runs some of the batches with those same seeds, so the counts are the single-process
+    ones (ddp.map_batches). → (accuracy, strict accuracy)."""
     model.eval()
     kw = dict(samples=samples, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, prompt=prompt)
     if world is None or world.size == 1:
-        res = evaluate(model, tokenizer, items, seed=seed, **kw)
+        res = evaluate(model, tokenizer, items, seed=seed, batch_size=batch_size, **kw)
         return res["accuracy"], res["accuracy_strict"]
     import ddp
 
-    per_batch = max(1, default_batch(model.device) // samples)  # (evaluate's batches: the same seeds)
+    per_batch = max(1, (batch_size or default_batch(model.device)) // samples)  # (evaluate's batches: the same seeds)
 
     def right(b, start, end):
         recs = evaluate(model, tokenizer, items[start:end], seed=seed + b, batch_size=per_batch * samples, **kw)["records"]

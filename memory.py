@@ -56,7 +56,9 @@ plan() fits a step into a cap, in this order:
      where even that does not fit, the micro-batch halves, then the logprob chunk;
   3. the rollout: the most whole groups of G rows whose cache fits what is left, spread evenly over as few
      rollout.generate calls as that allows (8 prompts that fit 6 at a time: 2 calls of 4);
-  4. the cache kept through the update where both fit at once, else released after each rollout.
+  4. the cache kept through the update where both fit at once, else released after each rollout;
+  5. where asked, the held-out evaluation's calls: the rows asked, fewer (whole problems) where their
+     cache would not fit beside the fixed part and a kept rollout cache (train.py releases it after).
 What does not fit names the setting to lower and the value that would fit. describe() prints the plan.
 The estimates against measured peaks: results/memory_plan.md.
 
@@ -279,6 +281,7 @@ class Plan:
     problems: list = field(default_factory=list)  # what does not fit: the setting to lower, to what
     offload: str = None  # CPU offload, only where it is the one way to keep the recipe, with its cost
     title: str = ""
+    eval_rows: int = None  # completions a held-out evaluation's rollout.generate call may take (None: not asked)
 
     @property
     def fits(self):
@@ -331,6 +334,8 @@ class Plan:
                                                            ("logp_chunk", self.logp_chunk)) if self.asked[k] != v]
         if changed:
             lines.append(("lowered to fit: " if self.fits else "lowered as far as tried: ") + ", ".join(changed))
+        if self.eval_rows:
+            lines.append(f"held-out evaluation: {self.eval_rows} rows a call, its cache released after")
         lines += [f"DOES NOT FIT: {p}" for p in self.problems]
         if self.offload:
             lines.append("the one way to keep the recipe: " + self.offload)
@@ -374,15 +379,19 @@ def largest_update(cfg, dtype, seqs, lengths, micro_batch, checkpointing, logp_c
 
 def plan(cfg, cap, *, prompts, group_size, prompt_len, max_new_tokens, micro_batch, lora_rank, logp_chunk=1024,
          quant="nvfp4", dtype=torch.bfloat16, lora_targets=nvfp4.LINEAR_NAMES, train_norms=True,
-         checkpointing="auto", headroom=None, title=""):
+         checkpointing="auto", headroom=None, title="", eval_samples=None, eval_prompt_len=None,
+         eval_max_new_tokens=None, eval_rows=None):
     """Fit one RL step into `cap` bytes (gpu_budget; None: no cap, the settings as asked).
 
     cfg: the model's config (model.Config); the step: `prompts` prompts of up to `prompt_len` tokens, G =
     `group_size` samples each, up to `max_new_tokens` new tokens; the update in micro-batches of
     `micro_batch` sequences at full length, logprobs in chunks of `logp_chunk` tokens, checkpointing
     "auto" | "on" | "off"; LoRA of rank `lora_rank` on `lora_targets`, the blocks' norms trained or not.
-    headroom: bytes kept free (default 5% of the cap + 1 GiB). Returns a Plan (the module docstring: the
-    order in which it fits the step)."""
+    headroom: bytes kept free (default 5% of the cap + 1 GiB). With eval_samples, eval_prompt_len and
+    eval_max_new_tokens, also the rows of a held-out evaluation's calls: `eval_rows` as asked (eval.py's
+    batch), lowered in whole problems of eval_samples to fit beside the fixed part and the rollout's
+    cache where the plan keeps it. Returns a Plan (the module docstring: the order in which it fits the
+    step)."""
     if min(prompts, group_size, prompt_len, max_new_tokens, micro_batch, logp_chunk) < 1 or lora_rank < 0:
         raise ValueError("memory.plan: prompts, group_size, prompt_len, max_new_tokens, micro_batch and logp_chunk "
                          f"must be >= 1 and lora_rank >= 0; got {prompts}, {group_size}, {prompt_len}, "
@@ -477,7 +486,17 @@ def plan(cfg, cap, *, prompts, group_size, prompt_len, max_new_tokens, micro_bat
     per_call = math.ceil(prompts / calls)
     ro = call(per_call)
     keep = sum(ro.values()) + sum(upd.values()) <= left  # (a kept decoder keeps its prefill graph's pool too)
+    asked_eval, eval_rows = eval_rows, None
+    if eval_max_new_tokens and cap is not None:
+        room = left - (sum(ro.values()) if keep else 0)
+        ev = lambda p: sum(rollout_bytes(cfg, dtype, p * eval_samples, p, eval_prompt_len, eval_max_new_tokens,
+                                         quant).values())
+        eval_rows = _largest(lambda p: ev(p) <= room, max(1, (asked_eval or 4096) // eval_samples)) * eval_samples
+        if not eval_rows and left > 0:
+            problems.append(f"a held-out evaluation of one problem ({eval_samples} samples of up to "
+                            f"{eval_max_new_tokens} new tokens) needs {ev(1) / 1e9:.1f} GB, {room / 1e9:.1f} GB left: "
+                            f"lower --eval-samples or --eval-max-new-tokens")
     return Plan(cap=cap, headroom=head, fixed=fixed, rollout=ro, update=upd, rollout_rows=per_call * group_size,
                 rollout_calls=calls, keep_cache=keep, checkpointing=ckpt, micro_batch=m, logp_chunk=chunk,
                 asked=dict(rollout_rows=prompts * group_size, micro_batch=micro_batch, logp_chunk=logp_chunk),
-                problems=problems, offload=offload, title=title)
+                problems=problems, offload=offload, title=title, eval_rows=eval_rows)

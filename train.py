@@ -63,7 +63,7 @@ import runs
 import tasks
 from adapters import load_policy, save_adapter
 from data import PromptEncoder, PromptStream, load_dataset
-from eval import heldout, positions_of, too_long
+from eval import default_batch, heldout, positions_of, too_long
 from hub import resolve_device, stop_on_bad_input, stop_token_ids
 from logprobs import completion_logprobs, micro_batches
 from model import read_config
@@ -292,25 +292,25 @@ def lr_lambda(warmup_steps, schedule_steps, min_lr_ratio):
 # ---------------------------------------------------------------------------------------------
 
 def plan_step(args, model_dir, data, cap, world):
-    """Before the model loads: the longest prompts of --data and --eval-data with their completion budgets
-    against the model's positions, and on a GPU the step planned into `cap` bytes (memory.plan; printed):
-    this rank's share of --prompts, the micro-batch and logprob chunk lowered where they do not fit, or the
-    setting to lower named. cap None (the CPU, where memory is not measured): no plan. → memory.Plan or None."""
+    """Before the model loads: the longest prompts and their completion budgets against the model's positions;
+    on a GPU (cap: its bytes; None on the CPU) the step and the held-out evaluation planned (memory.plan,
+    printed), or the setting to lower named. → memory.Plan or None."""
     cfg = read_config(model_dir)[2]
     encode = PromptEncoder(hub.load_tokenizer(model_dir), partial(recipes.prompt_style, args))
     longest = [max(len(encode(it)) for it in sorted(items, key=lambda it: len(it["question"]))[-256:])
                for items in data]  # (the longest in tokens is among the 256 longest in characters)
     for flag, n, budget in (("--max-new-tokens", longest[0], args.max_new_tokens),
                             ("--eval-max-new-tokens", longest[1], args.eval_max_new_tokens)):
-        if too_long(n, budget, positions_of(cfg)):
-            raise ValueError(too_long(n, budget, positions_of(cfg)).replace("max_new_tokens", flag, 1))
+        if why := too_long(n, budget, positions_of(cfg)):
+            raise ValueError(why.replace("max_new_tokens", flag, 1))
     if cap is None:
         return None
     plan = memory.plan(cfg, cap, prompts=-(-args.prompts // world.size), group_size=args.group_size,
                        prompt_len=longest[0], max_new_tokens=args.max_new_tokens, micro_batch=args.micro_batch,
                        lora_rank=args.lora_rank, logp_chunk=args.logp_chunk, quant=args.quant,
                        lora_targets=recipes.lora_targets(args), train_norms=args.train_norms, checkpointing=args.checkpointing,
-                       title=f"{args.model}, {args.quant}")
+                       title=f"{args.model}, {args.quant}", eval_samples=args.eval_samples, eval_prompt_len=longest[1],
+                       eval_max_new_tokens=args.eval_max_new_tokens, eval_rows=default_batch("cuda"))
     print(plan.describe())
     if not plan.fits:
         raise ValueError(f"the step does not fit in {cap / 1e9:.1f} GB of GPU memory: " + "; ".join(plan.problems))
@@ -373,13 +373,17 @@ def run(args, model_dir, data, checkpoint, out, world, device, plan=None):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, args.schedule_steps,
                                                                        args.min_lr_ratio))
     schedule = aqn.AQNSchedule(args.schedule_steps, args.aqn_stages, args.sigma_start, args.sigma_end)
-    encode = PromptEncoder(tokenizer, partial(recipes.prompt_style, args))
-    ucfg, stops = update_config(args, plan), stop_token_ids(tokenizer)
+    encode, ucfg = PromptEncoder(tokenizer, partial(recipes.prompt_style, args)), update_config(args, plan)
     train_items, eval_items = data
-    evaluate = lambda: heldout(model, tokenizer, eval_items, seed=args.seed + 1_000_003, samples=args.eval_samples,
-                               temperature=args.eval_temperature, top_p=args.eval_top_p,
-                               max_new_tokens=args.eval_max_new_tokens, world=world,
-                               prompt=recipes.prompt_style(args, eval_items[0]["kind"]))
+
+    def evaluate():  # (on a GPU in calls of the plan's size, their cache released after: the plan counts no other)
+        acc = heldout(model, tokenizer, eval_items, seed=args.seed + 1_000_003, samples=args.eval_samples,
+                      temperature=args.eval_temperature, top_p=args.eval_top_p, max_new_tokens=args.eval_max_new_tokens,
+                      world=world, prompt=recipes.prompt_style(args, eval_items[0]["kind"]),
+                      batch_size=plan and plan.eval_rows)
+        if plan:
+            rollout.release(model)
+        return acc
 
     step, stream, baseline, rows = 0, PromptStream(train_items, args.seed), None, []
     metrics_path, samples_path = os.path.join(out, "metrics.jsonl"), os.path.join(out, "samples.jsonl")
@@ -412,7 +416,7 @@ def run(args, model_dir, data, checkpoint, out, world, device, plan=None):
             items = stream.take(args.prompts)
             lo, hi = ddp.shard(len(items), world)  # (this rank's block; its rows keep their one-process keys)
             seed = ddp.shift_seed(args.seed * 7919 + step * 31 + rounds, lo * args.group_size)
-            ro = sample(model, [encode(it) for it in items[lo:hi]], args, stops, sigma if args.aqn else None,
+            ro = sample(model, [encode(it) for it in items[lo:hi]], args, stop_token_ids(tokenizer), sigma if args.aqn else None,
                         args.seed * 1_000_003 + step, seed, plan and plan.rollout_rows // args.group_size,
                         not plan or plan.keep_cache) if hi > lo else None                                 # 1. sample
             groups = reward(items, ro, ro.texts(tokenizer) if ro else [], lo, args, world, device)    # 2. reward

@@ -203,3 +203,17 @@ def test_what_the_process_may_use(monkeypatch):
         assert memory.checkpointing_on("auto", "cuda", need) is on, (free, cap)
         assert memory.checkpointing_on("on", "cuda", need) and not memory.checkpointing_on("off", "cuda", need)
     assert memory.checkpointing_on("auto", "cpu", need) and not memory.checkpointing_on("off", "cpu", need)
+
+
+def test_the_held_out_evaluation_is_lowered_to_fit_never_raised():
+    """The evaluation's rows as asked (eval.py's 64 on a GPU) where their cache fits beside the fixed part and a
+    kept rollout cache (7B), lowered in whole problems where it does not (72B: 64 rows of 1280 columns are
+    26.8 GB), never above what was asked, and not planned unless asked or without a cap."""
+    ev = dict(eval_samples=4, eval_prompt_len=256, eval_max_new_tokens=1024, eval_rows=64)
+    assert memory.plan(Q7, 80e9, **BENCH, **ev).eval_rows == 64
+    p = memory.plan(Q72, 80e9, **BENCH, **ev)
+    fixed = sum(p.fixed.values())
+    cache = lambda rows: sum(memory.rollout_bytes(Q72, torch.bfloat16, rows, rows // 4, 256, 1024).values())
+    assert p.eval_rows % 4 == 0 and 4 <= p.eval_rows < 64 and "held-out evaluation: " in p.describe()
+    assert fixed + cache(p.eval_rows) <= 80e9 - p.headroom < fixed + cache(p.eval_rows + 4)
+    assert memory.plan(Q72, 80e9, **BENCH).eval_rows is None and memory.plan(Q72, None, **BENCH, **ev).eval_rows is None

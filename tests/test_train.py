@@ -528,7 +528,7 @@ def test_dynamic_sampling_keeps_the_informative_groups_in_order(tmp_path, monkey
 
 def test_the_step_is_planned_into_the_gpu_before_the_model_loads(tmp_path, capsys):
     """plan_step on the Qwen2.5-72B shape (its config.json beside the tiny tokenizer): in 80 GB the plan is
-    printed and fits; at rank 256 it stops naming the rank that fits, and in 30 GB says nothing fits; on the CPU (no cap) nothing is planned;
+    printed and fits, the held-out evaluation's calls in whole problems, or it says which eval setting to lower; at rank 256 it stops naming the rank that fits, and in 30 GB says nothing fits; on the CPU (no cap) nothing is planned;
     a completion budget beyond the model's positions is refused naming its flag. Nothing loads weights."""
     folder = tmp_path / "qwen72b-shape"
     folder.mkdir()
@@ -541,6 +541,12 @@ def test_the_step_is_planned_into_the_gpu_before_the_model_loads(tmp_path, capsy
     shown = capsys.readouterr().out
     assert plan.fits and "memory plan" in shown and "NVFP4 linear weights" in shown
     assert plan.rollout_rows % args.group_size == 0 and plan.rollout_rows >= args.group_size
+    assert plan.eval_rows % args.eval_samples == 0 and plan.eval_rows >= args.eval_samples
+    assert f"held-out evaluation: {plan.eval_rows} rows a call" in shown
+    args.eval_samples, args.eval_max_new_tokens = 4096, 30000
+    with pytest.raises(ValueError, match="a held-out evaluation of one problem .* lower --eval-samples"):
+        train.plan_step(args, str(folder), (items, items), 80e9, train.ddp.World())
+    args.eval_samples, args.eval_max_new_tokens = 1, 1024
     args.lora_rank = 256
     with pytest.raises(ValueError, match=r"does not fit in 80.0 GB of GPU memory: .*lora_rank \(--lora-rank\) \d+ or lower"):
         train.plan_step(args, str(folder), (items, items), 80e9, train.ddp.World())
