@@ -79,6 +79,8 @@ def test_the_readme_table_is_printed_from_the_data():
     one = json.loads(subprocess.run([sys.executable, "recipes.py", "tiny"], cwd=ROOT, capture_output=True, text=True,
                                     check=True).stdout)
     assert one["lr"] == {"value": 0.002, "source": recipes.TINY["lr"].source}
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        assert out.strip() in f.read(), "README.md's recipe table is stale: paste `python recipes.py` into it"
 
 
 def test_help_prints_the_chosen_recipes_values(capsys):
