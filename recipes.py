@@ -195,7 +195,6 @@ def build_parser():
     p = argparse.ArgumentParser(description="RL (DAPO/GRPO) on an NVFP4 base with LoRA and AQN.",
                                 formatter_class=_HelpFormatter)
     a = p.add_argument
-    g = "what to train"
     a("--recipe", default=None, choices=list(RECIPES), help="named settings (recipes.py; default: tiny for the "
       "bundled tiny policy, else gsm8k, or gsm8k-bf16 with --quant bf16)")
     a("--model", default=None, help="alias (tiny, qwen2.5-7b, ...), HF folder, NVFP4 folder or hub id")

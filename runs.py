@@ -306,7 +306,8 @@ def resume_point(out, run_id, steps, data):
     if state["step"] >= steps and (finished or state["step"] > steps):
         raise ValueError(f"--resume {out}: the run has done {state['step']} steps; pass a larger --steps with "
                          f"--resume to extend it")
-    if state.get("data_sha256", data_hash(data)) != data_hash(data):
+    now = data_hash(data)
+    if state.get("data_sha256", now) != now:
         raise ValueError(f"--data {data} changed since the run started (its content hash differs): resume with "
                          f"the file as it was, or start a new run")
     return path, state

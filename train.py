@@ -373,8 +373,9 @@ def run(args, model_dir, data, checkpoint, out, world, device, plan=None):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, args.schedule_steps,
                                                                        args.min_lr_ratio))
     schedule = aqn.AQNSchedule(args.schedule_steps, args.aqn_stages, args.sigma_start, args.sigma_end)
-    encode, ucfg = PromptEncoder(tokenizer, partial(recipes.prompt_style, args)), update_config(args, plan)
+    encode, stops = PromptEncoder(tokenizer, partial(recipes.prompt_style, args)), stop_token_ids(tokenizer)
     train_items, eval_items = data
+    ucfg, data_sha = update_config(args, plan), runs.data_hash(args.data)  # (the hash: args.json, checkpoints)
 
     def evaluate():  # (on a GPU in calls of the plan's size, their cache released after: the plan counts no other)
         acc = heldout(model, tokenizer, eval_items, seed=args.seed + 1_000_003, samples=args.eval_samples,
@@ -396,7 +397,7 @@ def run(args, model_dir, data, checkpoint, out, world, device, plan=None):
             open(p, "w").close()
     if world.main:
         hub.write_json(os.path.join(out, "args.json"), {**{k: v for k, v in vars(args).items() if k not in
-                                                             ("changed", "force")}, "data_sha256": runs.data_hash(args.data)})
+                                                             ("changed", "force")}, "data_sha256": data_sha})
     wall = runs.WallTime(out, args.resume) if world.main else None
     tracker = logs.Tracker(args.log if world.main else None, out, getattr(args, "run_id", None), vars(args))
     ddp.same_everywhere(params, world)  # (the same seed and checkpoint: the same parameters on every rank)
@@ -416,7 +417,7 @@ def run(args, model_dir, data, checkpoint, out, world, device, plan=None):
             items = stream.take(args.prompts)
             lo, hi = ddp.shard(len(items), world)  # (this rank's block; its rows keep their one-process keys)
             seed = ddp.shift_seed(args.seed * 7919 + step * 31 + rounds, lo * args.group_size)
-            ro = sample(model, [encode(it) for it in items[lo:hi]], args, stop_token_ids(tokenizer), sigma if args.aqn else None,
+            ro = sample(model, [encode(it) for it in items[lo:hi]], args, stops, sigma if args.aqn else None,
                         args.seed * 1_000_003 + step, seed, plan and plan.rollout_rows // args.group_size,
                         not plan or plan.keep_cache) if hi > lo else None                                 # 1. sample
             groups = reward(items, ro, ro.texts(tokenizer) if ro else [], lo, args, world, device)    # 2. reward
@@ -467,9 +468,8 @@ def run(args, model_dir, data, checkpoint, out, world, device, plan=None):
             with stop_on_bad_input("train.py"):
                 runs.save_checkpoint(out, model, optimizer, scheduler, {
                     "step": step, "data_pos": stream.pos, "baseline_accuracy": baseline[0],
-                    "baseline_accuracy_strict": baseline[1],
-                    "aqn_stage": schedule.stage(step), "run_id": getattr(args, "run_id", None),
-                    "data_sha256": runs.data_hash(args.data)})
+                    "baseline_accuracy_strict": baseline[1], "aqn_stage": schedule.stage(step),
+                    "run_id": getattr(args, "run_id", None), "data_sha256": data_sha})
     bar.close()
 
     final = evaluate()
