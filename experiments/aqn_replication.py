@@ -127,8 +127,8 @@ COMMON = {
     "--lr": "{lr}", "--warmup-steps": "5", "--min-lr-ratio": "0.1", "--lora-rank": "32", "--lora-alpha": "32",
     "--micro-batch": "128", "--reward": "strict", "--format-reward": "0", "--overlong-buffer": "0",
     "--aqn-stages": "10", "--eval-every": "20", "--eval-limit": "128", "--eval-samples": "4",
-    "--eval-temperature": "1.0", "--eval-top-p": "1.0", "--save-every": "0", "--plot-every": "1000000",
-    "--log-samples": "1", "--no-compile": None,
+    "--eval-temperature": "1.0", "--eval-top-p": "1.0", "--eval-max-new-tokens": "80", "--save-every": "0",
+    "--plot-every": "1000000", "--log-samples": "1", "--no-compile": None,
 }
 SEEDS = tuple(range(8))
 FINAL_ITEMS, FINAL_SAMPLES = 512, 16
