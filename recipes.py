@@ -25,7 +25,8 @@ How a run's values are found, lowest first:
 3. what the command line gives.
 Then the values derived from others (`derive`): the held-out set from --data, the warm-up steps from
 the recipe's warm-up ratio, the soft overlong band from its share of the budget, AQN on for an NVFP4
-base only, the prompt that the reward variant was trained with.
+base only, the update's temperature from the rollout's, the prompt that the reward variant was trained
+with.
 
 What the 16-bit baseline is. The official scripts add AQN's noise only where the model's path names an
 NVFP4 model (qerl.py: `noise_scheduler = 'nvfp4' in model_name`): the paper's LoRA baseline has no
@@ -211,6 +212,9 @@ def build_parser():
     a("--group-size", type=int, default=None, help="G, completions per prompt")
     a("--max-new-tokens", type=int, default=None, help="completion budget")
     a("--temperature", type=float, default=None, help="rollout temperature")
+    a("--train-temperature", type=float, default=None, help="the temperature the update scores the sampled tokens "
+      "at (default: --temperature, as TRL's GRPO trainer divides the logits by the sampling temperature; 1 with a "
+      "hotter --temperature makes the temperature act on the sampler alone, as AQN's noise does)")
     a("--top-p", type=float, default=None, help="rollout nucleus sampling")
     a("--update-passes", type=int, default=None, help="passes over each step's batch (1 = on-policy)")
     a("--micro-batch", type=int, default=None, help="sequences per forward/backward at full length; completions "
@@ -357,6 +361,8 @@ def derive(args):
         args.overlong_buffer = int(args.overlong_share * args.max_new_tokens + 1e-9)
     if args.aqn is None:
         args.aqn = args.quant == "nvfp4"
+    if args.train_temperature is None:  # (a run's args.json from before the option resumes so too)
+        args.train_temperature = args.temperature
     return args  # (--prompt None: each problem asked as the reward variant asks its kind, prompt_style)
 
 
@@ -446,7 +452,8 @@ AT_LEAST = {"steps": 1, "prompts": 1, "group_size": 2, "max_new_tokens": 1, "mic
 WHY = {"group_size": " (group-relative advantages need G >= 2)", "lora_rank": " (the adapters' rank r)",
        "aqn_stages": " (stage 0 is noise-free)", "seed": " (numpy's seeds are unsigned)"}
 POSITIVE = {"lr": "the peak learning rate", "lora_alpha": "LoRA's alpha", "grad_clip": "the gradient-norm clip",
-            "tis_cap": "the cap C of --ratio tis", "temperature": "the rollout temperature (the logprobs divide by it)"}
+            "tis_cap": "the cap C of --ratio tis", "temperature": "the rollout temperature (the logprobs divide by it)",
+            "train_temperature": "the update's temperature"}
 IN_RANGE = {"top_p": (0, 1, "(0, 1]"), "eval_top_p": (0, 1, "(0, 1]"), "min_lr_ratio": (0, 1, "[0, 1]"),
             "lora_dropout": (0, 0.999999, "[0, 1)"), "adam_beta2": (0, 0.999999, "[0, 1)")}
 NON_NEGATIVE = ("weight_decay", "eps_low", "eps_high", "beta", "sigma_start", "sigma_end", "eval_temperature")

@@ -184,6 +184,9 @@ class UpdateConfig:
     """What the update uses (recipes.py gives each value's source). `update_config(args)` builds it from
     train.py's settings; tests and engine/bench_step.py build it directly."""
     max_new_tokens: int
+    # The trainer's logprobs are of softmax(logits / temperature): --train-temperature, by default the rollout's
+    # (as TRL's GRPO trainer). The sampler's logprobs stay at the rollout's, so under another temperature the
+    # logged sampler-trainer mismatch (and --ratio sampler|tis) measures the temperatures' gap too.
     temperature: float = 1.0
     passes: int = 1
     micro_batch: int = 8
@@ -201,7 +204,7 @@ class UpdateConfig:
 
 def update_config(args, plan=None):
     """The update's settings from train.py's, with the memory plan's micro-batch and logprob chunk (a GPU's)."""
-    return UpdateConfig(args.max_new_tokens, args.temperature, args.update_passes,
+    return UpdateConfig(args.max_new_tokens, args.train_temperature, args.update_passes,
                         plan.micro_batch if plan else args.micro_batch, plan.logp_chunk if plan else args.logp_chunk,
                         args.checkpointing, args.eps_low, args.eps_high, args.beta, args.loss_agg, args.ratio,
                         args.tis_cap, args.grad_clip, args.fp8_update)

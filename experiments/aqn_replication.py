@@ -24,6 +24,11 @@ The arms (ARMS), DAPO, each a list of train.py flags on top of COMMON, paired on
     4 nvfp4-aqn*    NVFP4 + AQN from sigma* down 100x           --quant nvfp4 --sigma-start s* --sigma-end s*/100
     5 bf16-tau*     bf16 at tau* (entropy-matched control)      --quant bf16 --no-aqn --temperature tau*
     6 bf16-hot      bf16 hotter (positive control)              --quant bf16 --no-aqn --temperature tau_hot
+    7, 8            arms 5 and 6 with the update scoring at T = 1   ... --train-temperature 1
+Arms 5 and 6 are the first and second grids' controls: TRL's trainer (and so train.py by default) scores the
+sampled tokens at the sampling temperature, so the trained policy absorbs it. AQN's noise acts on the
+sampler alone; arms 7 and 8 do the same with the temperature (the third grid's controls, --controls 7,8:
+results/aqn_replication_2 says why). The grid runs arms 1-6 unless --arms names others.
 {sigma_star}, {tau_star}, {tau_hot} come from calibration.json, {lr} from pilot.json (the pilot's rule
 below). Every run logs its sigma; analyze drops (and names) a run whose logged noise contradicts its arm
 (an AQN arm without noise, a no-noise arm with it), so a change of train.py's defaults cannot pass
@@ -39,7 +44,8 @@ unchanged, under experiments/probe.py's read-only taps plus two here: which step
 follows, and each probe problem's right count), then `python eval.py` on the saved adapter (FINAL_ITEMS
 held-out problems x FINAL_SAMPLES samples at temperature 1), then `python experiments/calibrate.py
 entropy` (teacher-forced entropy on the probe problems' reference solutions). Runs are independent
-subprocesses, --jobs at a time, one CPU thread each (on one GPU with --device cuda in COMMON). A run
+subprocesses, --jobs at a time, one CPU thread each (on one GPU with --device cuda in COMMON; --mps lets
+their kernels share it side by side, mps()). A run
 whose folder holds done.json is skipped; an unfinished one starts again from scratch (runs are short;
 resuming would need the taps' records cut back to the checkpoint). After a run its adapter, checkpoint
 and eval samples are deleted (per-problem counts kept), so the work folder stays small enough to carry
@@ -57,7 +63,8 @@ of the first held-out probe step at which one of its samples was right, censored
 after the end), solved_frac (probe problems ever solved), probe_area (held-out probe accuracy averaged
 over the probes), tf_entropy (teacher-forced entropy at the end), sampler_entropy_early (mean -logp of
 the sampled tokens over the first third of the steps) and mismatch_kl (train.py's sampler-trainer KL,
-mean over steps). For each planned contrast (CONTRASTS: 2-1, 4-1, 4-5, 6-1) and metric: the paired
+mean over steps). For each planned contrast (2-1, 4-1, 4-M, H-1 for the controls M, H: 4-5 and 6-1, or
+4-7 and 8-1 with --controls 7,8) and metric: the paired
 differences over the seeds both arms finished, their mean and 95% t-interval, and the exact two-sided
 sign-flip p (all 2^n sign patterns); for the primaries also the Holm-adjusted p over the four contrasts
 (each primary its own family), the TOST equivalence p with margin MARGIN (two one-sided t-tests at 5%),
@@ -67,22 +74,25 @@ Note that reward_area is measured in each arm's own sampling: noise and a higher
 themselves, which works against arms 2-6; heldout_pass1 is measured alike for all.
 
 The statement (statement()), computed from the table, never written by hand:
-- the positive control works when 6-1 on heldout_pass1 is positive at Holm p < ALPHA;
+- the positive control works when H-1 (6-1) on heldout_pass1 is positive at Holm p < ALPHA;
 - supports: it works, 2-1 or 4-1 is positive at Holm p < ALPHA on a primary, the sampler's early
-  entropy is higher in that arm than in arm 1 (sign-flip p < ALPHA), and 4-5 is not significantly
+  entropy is higher in that arm than in arm 1 (sign-flip p < ALPHA), and 4-M (4-5) is not significantly
   negative on either primary;
 - refutes at this scale: it works and 2-1 and 4-1 are TOST-equivalent to zero on both primaries;
 - inconclusive (positive control failed): it does not work, so this setting cannot show an
   exploration effect either way; otherwise inconclusive.
 """
 import argparse
+import contextlib
 import csv
 import json
 import math
 import os
 import shutil
+import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -116,7 +126,14 @@ ARMS = (
         False),
     Arm(6, "bf16-hot", "bf16 hotter (positive control)", ("--quant", "bf16", "--no-aqn", "--temperature", "{tau_hot}"),
         False),
+    # The same two controls with the temperature on the sampler alone: the update scores at T = 1, as AQN's
+    # noise acts on the rollout alone (the third grid's controls; results/aqn_replication_2 says why).
+    Arm(7, "bf16-tau-sampler", "bf16 sampler at tau*, trainer at 1", ("--quant", "bf16", "--no-aqn", "--temperature",
+                                                                       "{tau_star}", "--train-temperature", "1"), False),
+    Arm(8, "bf16-hot-sampler", "bf16 sampler hotter, trainer at 1 (positive control)",
+        ("--quant", "bf16", "--no-aqn", "--temperature", "{tau_hot}", "--train-temperature", "1"), False),
 )
+FIRST_ARMS = (1, 2, 3, 4, 5, 6)  # the grid's arms when --arms is not given (the first design's)
 BASELINE = 1
 STEPS = 100
 # Every run's train.py flags besides its arm's (flag -> value; None for a switch). --override replaces
@@ -135,7 +152,16 @@ FINAL_ITEMS, FINAL_SAMPLES = 512, 16
 PILOT_LRS = (2e-4, 5e-4, 1e-3, 2e-3)
 PILOT_SEEDS = (1000, 1001)
 COLLAPSE = 0.5
-CONTRASTS = ((2, 1), (4, 1), (4, 5), (6, 1))
+CONTROLS = (5, 6)  # the entropy-matched and the positive control (--controls; 7,8 for the third grid)
+
+
+def planned(controls=CONTROLS):
+    """The four planned contrasts, given the (entropy-matched, positive) control arms: 2-1, 4-1, 4-m, h-1."""
+    matched, hot = controls
+    return ((2, 1), (4, 1), (4, matched), (hot, 1))
+
+
+CONTRASTS = planned()
 PRIMARY = ("reward_area", "heldout_pass1")
 MARGIN = {"reward_area": 0.02, "heldout_pass1": 0.02}  # TOST: differences within +-2 points count as none
 ALPHA = 0.05
@@ -283,13 +309,13 @@ def make_job(name, arm, seed, lr, train_flags, common, work, final=True, final_i
     return Job(name, arm, seed, lr, run, stages)
 
 
-def grid_jobs(work, cal, lr, override="", seeds=SEEDS, arms=ARMS, final_items=FINAL_ITEMS, final_samples=FINAL_SAMPLES,
+def grid_jobs(work, cal, lr, override="", seeds=SEEDS, arms=None, final_items=FINAL_ITEMS, final_samples=FINAL_SAMPLES,
               placeholders=False):
     """Every (arm, seed) of the grid, seed by seed (a grid cut short holds whole pairs for its first seeds)."""
     common = common_flags(override, lr)
     jobs = []
     for seed in seeds:
-        for arm in arms:
+        for arm in arms or [a for a in ARMS if a.number in FIRST_ARMS]:
             flags = flag_list(common) + arm_flags(arm, cal, placeholders)
             jobs.append(make_job(f"{arm.number}-{arm.name}-s{seed}", arm, seed, lr, flags, common, work,
                                  final_items=final_items, final_samples=final_samples))
@@ -379,6 +405,51 @@ def run_all(jobs, n_jobs, deadline, keep_adapters=False, min_run_s=0.0):
             stop.event.set()
             print("stopping: killing the running runs (they start again on the next call)", flush=True)
             raise
+
+
+@contextlib.contextmanager
+def mps(enabled):
+    """With `enabled`, CUDA's Multi-Process Service for the runs: without it the GPU time-slices between the
+    runs' processes, and the small kernels of a 13 M-parameter policy leave it mostly idle; with it their
+    kernels run side by side (in the second grid, 20 runs at once took 121 s a run against 205 s for 16 without:
+    results/aqn_replication_2). The daemon runs from a temporary folder and quits on the way out; where it
+    cannot start, or a client cannot use it, the runs share the GPU as before, and this says so. Yields
+    whether it is on."""
+    exe = shutil.which("nvidia-cuda-mps-control") if enabled else None
+    if not enabled or exe is None:
+        if enabled:
+            print("--mps: nvidia-cuda-mps-control not found; the runs time-slice the GPU", flush=True)
+        yield False
+        return
+    tmp = tempfile.mkdtemp(prefix="qerl-mps-")
+    env = {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(tmp, "pipe"), "CUDA_MPS_LOG_DIRECTORY": os.path.join(tmp, "log")}
+    for d in env.values():
+        os.makedirs(d)
+    with_env = dict(os.environ, **env)
+    started = subprocess.run([exe, "-d"], env=with_env, capture_output=True, text=True).returncode == 0
+    client = started and subprocess.run([sys.executable, "-c", "import torch; torch.ones(8, device='cuda').sum().item()"],
+                                        env=with_env, capture_output=True, timeout=300).returncode == 0
+    if started and not client:
+        subprocess.run([exe], input="quit\n", env=with_env, text=True, capture_output=True)
+    if not client:
+        print(f"--mps: the daemon {'started but a CUDA client failed' if started else 'did not start'}; the runs "
+              f"time-slice the GPU", flush=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        yield False
+        return
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # (the runs' subprocesses inherit it: aqn_grid.job_env copies os.environ)
+    print(f"--mps: CUDA MPS on ({tmp})", flush=True)
+    try:
+        yield True
+    finally:
+        subprocess.run([exe], input="quit\n", env=with_env, text=True, capture_output=True)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def missing_flags(jobs):
@@ -557,21 +628,21 @@ def metric_keys(rows):
     return [k for k in PRIMARY + tuple(passes) + SECONDARY if any(k in r for r in rows)]
 
 
-def analyze(rows):
-    """{"arms": {arm: {"n", metric: (mean, lo, hi)}}, "contrasts": {(a, b): {metric: contrast}}} with Holm's
-    p over CONTRASTS for each primary metric ("holm")."""
-    arms, keys = by_arm(rows), metric_keys(rows)
+def analyze(rows, controls=CONTROLS):
+    """{"arms": {arm: {"n", metric: (mean, lo, hi)}}, "contrasts": {(a, b): {metric: contrast}}, "controls"}
+    with Holm's p over the planned contrasts (planned(controls)) for each primary metric ("holm")."""
+    arms, keys, contrasts = by_arm(rows), metric_keys(rows), planned(controls)
     nan_row = lambda r: {k: r.get(k, math.nan) for k in keys}  # noqa: E731
-    out = {"arms": {}, "contrasts": {}}
+    out = {"arms": {}, "contrasts": {}, "controls": tuple(controls)}
     for a, seeds in arms.items():
         out["arms"][a] = {"n": len(seeds), **{k: mean_ci([r.get(k, math.nan) for r in seeds.values()]) for k in keys}}
-    for a, b in CONTRASTS:
+    for a, b in contrasts:
         if a in arms and b in arms:
             A = {s: nan_row(r) for s, r in arms[a].items()}
             B = {s: nan_row(r) for s, r in arms[b].items()}
             out["contrasts"][(a, b)] = {k: contrast(A, B, k) for k in keys}
     for k in PRIMARY:
-        pairs = [c for c in CONTRASTS if c in out["contrasts"] and k in out["contrasts"][c]]
+        pairs = [c for c in contrasts if c in out["contrasts"] and k in out["contrasts"][c]]
         for c, p in zip(pairs, holm([out["contrasts"][c][k]["p"] for c in pairs])):
             out["contrasts"][c][k]["holm"] = p
     return out
@@ -599,15 +670,16 @@ def entropy_up(res, c):
 
 def statement(res):
     """(verdict, reasons): the rule of the module docstring applied to the analysis."""
-    positive = wins(res, (6, 1), "heldout_pass1")
+    matched, hot = res.get("controls", CONTROLS)
+    positive = wins(res, (hot, 1), "heldout_pass1")
     helped = [a for a in (2, 4) if any(wins(res, (a, 1), k) for k in PRIMARY)]
     up = [a for a in helped if entropy_up(res, (a, 1))]
-    four_ok = not any(loses(res, (4, 5), k) for k in PRIMARY)
+    four_ok = not any(loses(res, (4, matched), k) for k in PRIMARY)
     null = all(equivalent(res, (a, 1), k) for a in (2, 4) for k in PRIMARY)
-    reasons = [f"positive control (6-1 on held-out pass@1, Holm p < {ALPHA}): {'works' if positive else 'fails'}",
+    reasons = [f"positive control ({hot}-1 on held-out pass@1, Holm p < {ALPHA}): {'works' if positive else 'fails'}",
                f"arms beating bf16-LoRA on a primary after Holm: {', '.join(map(str, helped)) or 'none'}",
                f"of those, with higher early sampler entropy (sign-flip p < {ALPHA}): {', '.join(map(str, up)) or 'none'}",
-               f"4-5 not significantly negative on either primary: {'yes' if four_ok else 'no'}",
+               f"4-{matched} not significantly negative on either primary: {'yes' if four_ok else 'no'}",
                f"2-1 and 4-1 TOST-equivalent to zero on both primaries (margins {MARGIN}): {'yes' if null else 'no'}"]
     if not positive:
         verdict = "inconclusive (positive control failed)"
@@ -635,11 +707,15 @@ def table_md(res, settings, dropped):
     for a in sorted(res["arms"]):
         e = res["arms"][a]
         lines.append(f"| {a} {arm_by[a].label} | {e['n']} | " + " | ".join(fmt_ci(*e[k]) for k in keys) + " |")
+    pairs = max((c["n"] for cs in res["contrasts"].values() for c in cs.values()), default=0)
+    exact = pairs <= 16  # aqn_grid.sign_flip_p: every sign pattern up to 16 pairs, 200,000 drawn beyond
     lines += ["", "## Planned contrasts (paired on seed)", "",
-              "Each cell: mean difference [95% t-interval], exact sign-flip p; primaries also Holm-adjusted p over the "
-              f"four contrasts (each primary its own family), TOST p (margins {MARGIN}) and the difference detectable "
-              f"with 80% power at alpha {ALPHA}/{len(CONTRASTS)} given the observed spread. The smallest sign-flip p "
-              "with n pairs is 2/2^n.", "",
+              f"Each cell: mean difference [95% t-interval], {'exact ' if exact else ''}sign-flip p; primaries also "
+              f"Holm-adjusted p over the four contrasts (each primary its own family), TOST p (margins {MARGIN}) and the "
+              f"difference detectable with 80% power at alpha {ALPHA}/{len(CONTRASTS)} given the observed spread. "
+              + ("The smallest sign-flip p with n pairs is 2/2^n." if exact else
+                 "With more than 16 pairs the sign-flip p is estimated from 200,000 random sign patterns, so the "
+                 "smallest it can show is 5e-06."), "",
               "| contrast | pairs | " + " | ".join(LABELS.get(k, k) for k in keys) + " |", sep]
     for (a, b), cs in res["contrasts"].items():
         cells = []
@@ -712,7 +788,7 @@ def plot_paired(res, path):
     fig, axes = plt.subplots(1, len(PRIMARY), figsize=(6 * len(PRIMARY), 4.5), squeeze=False)
     for ax, k in zip(axes.flat, PRIMARY):
         names = []
-        for i, c in enumerate(c for c in CONTRASTS if k in res["contrasts"].get(c, {})):
+        for i, c in enumerate(c for c in planned(res.get("controls", CONTROLS)) if k in res["contrasts"].get(c, {})):
             x = res["contrasts"][c][k]
             names.append(f"{c[0]}-{c[1]}")
             offsets = np.linspace(-0.15, 0.15, max(len(x["diffs"]), 1))
@@ -870,6 +946,15 @@ def read_json(path, what):
         return json.load(f)
 
 
+def arm_pair(text):
+    """--controls: 'M,H', two of ARMS' numbers."""
+    pair = tuple(int(x) for x in text.split(",") if x.strip())
+    known = {a.number for a in ARMS}
+    if len(pair) != 2 or not set(pair) <= known:
+        raise argparse.ArgumentTypeError(f"{text!r}: give two arm numbers M,H from {sorted(known)}, e.g. 5,6 or 7,8")
+    return pair
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description="The AQN replication: pilot, grid, analysis (see the module docstring).",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -883,11 +968,14 @@ def parse_args(argv):
                    "(default: OUT/runs.tar.gz)")
     p.add_argument("--jobs", type=int, default=12, help="runs at a time, one CPU thread each")
     p.add_argument("--seeds", type=int, default=len(SEEDS), help="grid seeds: 0 .. N-1")
-    p.add_argument("--arms", default=None, help="comma-separated arm numbers (default: all)")
+    p.add_argument("--arms", default=None, help="comma-separated arm numbers (default: 1-6, the first design's)")
     p.add_argument("--override", default="", help="train.py flags replacing COMMON's by name, one string "
                    "(e.g. --override='--model tiny --data arith --eval-data arith --device cpu --steps 2')")
     p.add_argument("--pilot-lrs", default=",".join(f"{x:g}" for x in PILOT_LRS), help="pilot: the lrs tried")
     p.add_argument("--pilot-seeds", default=",".join(map(str, PILOT_SEEDS)), help="pilot: the seeds")
+    p.add_argument("--controls", type=arm_pair, default=CONTROLS, help="analyze/grid: the entropy-matched and the "
+                   "positive control arms, as M,H (5,6: the temperature in sampler and trainer; 7,8: in the sampler "
+                   "alone); the planned contrasts are 2-1, 4-1, 4-M, H-1")
     p.add_argument("--tau-hot", type=float, default=None, help="grid/analyze: the positive control's temperature "
                    "(default: calibration.json's tau_hot)")
     p.add_argument("--final-items", type=int, default=FINAL_ITEMS, help="eval.py held-out problems a run")
@@ -896,6 +984,8 @@ def parse_args(argv):
                    "(they start again on the next call), then analyze what finished")
     p.add_argument("--min-run-s", type=float, default=150, help="with --time-limit: start no run in the last this "
                    "many seconds (it could not finish, and a killed run starts over)")
+    p.add_argument("--mps", action="store_true", help="pilot/grid: run under CUDA MPS, so the runs' kernels share the "
+                   "GPU side by side (about twice the runs an hour on an H100; falls back, saying so, where it cannot start)")
     p.add_argument("--keep-adapters", action="store_true", help="keep each run's adapter and checkpoint")
     p.add_argument("--dry-run", action="store_true", help="print the command lines and exit")
     p.add_argument("--pack-to", default=None, help="after the command, pack --out and --work (pruned) into this "
@@ -953,7 +1043,11 @@ def command(args, out, work, t0, deadline):
             lr = lr or read_json(pilot_path, "run the pilot first (or pass --lr in --override)")["lr"]
         if cal is not None and args.tau_hot is not None:
             cal = {**cal, "tau_hot": args.tau_hot}
-        arms = ARMS if not args.arms else [a for a in ARMS if str(a.number) in args.arms.split(",")]
+        wanted = [x.strip() for x in args.arms.split(",") if x.strip()] if args.arms else []
+        if unknown := sorted(set(wanted) - {str(a.number) for a in ARMS}):
+            sys.exit(f"aqn_replication.py: --arms {args.arms}: no arm {', '.join(unknown)}; the arms are "
+                     f"{', '.join(str(a.number) for a in ARMS)} (see ARMS)")
+        arms = [a for a in ARMS if str(a.number) in wanted] or None
         jobs = grid_jobs(work, cal, None if lr is None else float(lr), args.override, tuple(range(args.seeds)), arms,
                          args.final_items, args.final_samples, placeholders=args.dry_run)
     if args.dry_run:
@@ -967,7 +1061,8 @@ def command(args, out, work, t0, deadline):
             sys.exit(f"aqn_replication.py: train.py does not know {missing} (see `python train.py --help`): adjust "
                      f"COMMON or ARMS")
         os.makedirs(work, exist_ok=True)
-        run_all(jobs, args.jobs, deadline, args.keep_adapters, args.min_run_s)
+        with mps(args.mps):
+            run_all(jobs, args.jobs, deadline, args.keep_adapters, args.min_run_s)
     if args.command == "pilot":
         result = write_pilot(jobs, out, steps)
     else:
@@ -1008,7 +1103,7 @@ def write_pilot(jobs, out, steps):
 
 def write_results(jobs, out, args):
     rows, curves, dropped = collect(jobs)
-    res = analyze(rows)
+    res = analyze(rows, args.controls)
     settings = (f"{len(rows)} of {len(jobs)} runs finished; train.py flags {' '.join(flag_list(common_flags(args.override, jobs[0].lr)))}; "
                 f"eval.py {args.final_items} held-out problems x {args.final_samples} samples at T=1"
                 + ("" if args.tau_hot is None else f"; tau_hot {args.tau_hot:g} (--tau-hot, not calibration.json's)"))
@@ -1017,7 +1112,8 @@ def write_results(jobs, out, args):
         write_rows(os.path.join(out, "runs.csv"), rows)
     rounded = {k: {n: [None if v is None else round(v, 6) for v in vs] for n, vs in c.items()} for k, c in curves.items()}
     with open(os.path.join(out, "curves.json"), "w") as f:
-        json.dump({"arms": {a.number: [a.name, a.label, *a.flags] for a in ARMS}, "runs": rounded}, f,
+        json.dump({"arms": {a.number: [a.name, a.label, *a.flags] for a in ARMS if a in {j.arm for j in jobs}},
+                   "runs": rounded}, f,
                   separators=(",", ":"))
     table = table_md(res, settings, dropped)
     with open(os.path.join(out, "table.md"), "w") as f:

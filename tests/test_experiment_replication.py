@@ -78,8 +78,8 @@ def flag(cmd, name):
 
 
 def test_grid_is_every_arm_on_every_seed(tmp_path):
-    jobs = rep.grid_jobs(str(tmp_path), CAL, 5e-4)
-    assert len(jobs) == len(rep.ARMS) * len(rep.SEEDS) == 48 and len({j.run_dir for j in jobs}) == 48
+    jobs = rep.grid_jobs(str(tmp_path), CAL, 5e-4)  # the first design's arms, 1-6
+    assert len(jobs) == len(rep.FIRST_ARMS) * len(rep.SEEDS) == 48 and len({j.run_dir for j in jobs}) == 48
     assert [j.seed for j in jobs[:6]] == [0] * 6  # seed by seed
     for j in jobs:
         train, ev, ent = (cmd for _, cmd in j.stages)
@@ -99,6 +99,7 @@ def test_grid_is_every_arm_on_every_seed(tmp_path):
             assert float(flag(train, "--temperature")) == {5: 1.03, 6: 1.25}[j.arm.number]
         else:
             assert "--temperature" not in train
+        assert "--train-temperature" not in train  # the trainer scores at the sampling temperature (TRL's way)
         assert ev[1] == "eval.py" and flag(ev, "--quant") == quant and flag(ev, "--samples") == "16"
         assert flag(ev, "--limit") == "512" and flag(ev, "--temperature") == "1.0"
         assert flag(ev, "--adapter") == os.path.join(j.run_dir, "run", "adapter") and flag(ev, "--seed") == str(j.seed)
@@ -124,7 +125,7 @@ def test_overrides_and_the_pilot(tmp_path):
 
 def test_dry_run_before_calibration_shows_placeholders(tmp_path, capsys):
     jobs = rep.main(["grid", "--dry-run", "--out", str(tmp_path), "--work", str(tmp_path / "w"), "--seeds", "1"])
-    assert len(jobs) == len(rep.ARMS) and not (tmp_path / "w").exists()  # nothing run, nothing written
+    assert len(jobs) == len(rep.FIRST_ARMS) and not (tmp_path / "w").exists()  # nothing run, nothing written
     out = capsys.readouterr().out
     assert "--sigma-start {sigma_star}" in out and "--temperature {tau_hot}" in out and "--lr {lr}" in out
     (tmp_path / "calibration.json").write_text(json.dumps(CAL))
@@ -133,6 +134,24 @@ def test_dry_run_before_calibration_shows_placeholders(tmp_path, capsys):
     assert [(j.arm.number, j.seed) for j in jobs] == [(1, 0), (6, 0), (1, 1), (6, 1)]
     assert {flag(j.stages[0][1], "--temperature") for j in jobs if j.arm.number == 6} == {"1.5"}
     assert {flag(j.stages[0][1], "--lr") for j in jobs} == {"0.0005"}
+
+
+def test_sampler_only_controls_and_bad_arm_numbers(tmp_path, capsys):
+    """Arms 7 and 8 are arms 5 and 6 with the update scoring at T = 1 (the temperature on the sampler alone, as
+    AQN's noise); they run only when named, and unknown arm numbers are refused before anything runs."""
+    (tmp_path / "calibration.json").write_text(json.dumps(CAL))
+    jobs = rep.main(["grid", "--dry-run", "--out", str(tmp_path), "--work", str(tmp_path / "w"), "--seeds", "1",
+                     "--arms", "5,6,7,8", "--override=--lr 5e-4"])
+    train = {j.arm.number: j.stages[0][1] for j in jobs}
+    for sampler_only, both in ((7, 5), (8, 6)):
+        assert flag(train[sampler_only], "--temperature") == flag(train[both], "--temperature")
+        assert flag(train[sampler_only], "--train-temperature") == "1" and "--train-temperature" not in train[both]
+    assert len({j.run_dir for j in jobs}) == 4  # their own folders: a work folder can hold both designs
+    with pytest.raises(SystemExit, match="no arm 9"):
+        rep.main(["grid", "--dry-run", "--out", str(tmp_path), "--work", str(tmp_path / "w"), "--arms", "1,9"])
+    with pytest.raises(SystemExit):
+        rep.parse_args(["analyze", "--controls", "5"])
+    assert "give two arm numbers" in capsys.readouterr().err
 
 
 def test_missing_flags_are_found(monkeypatch):
@@ -160,12 +179,12 @@ def test_choose_lr_takes_the_largest_that_keeps_its_entropy():
 # --- the statement ---------------------------------------------------------------------------------
 
 def fake_rows(effects, n=8, noise=0.01, seed=0):
-    """Rows of arms 1-6 on n seeds: a seed effect shared by all arms, each arm's effect on each metric, and
+    """Rows of arms 1-8 on n seeds: a seed effect shared by all arms, each arm's effect on each metric, and
     small independent noise."""
     rng = np.random.default_rng(seed)
     rows = []
     base = rng.normal(0.3, 0.05, n)
-    for arm in range(1, 7):
+    for arm in range(1, 9):
         for s in range(n):
             e = effects.get(arm, {})
             rows.append({"arm": arm, "seed": s,
@@ -187,6 +206,47 @@ def test_statement_supports_refutes_and_inconclusive():
     assert verdict == "inconclusive"
     verdict, reasons = rep.statement(rep.analyze(fake_rows({6: up, 4: up, 5: {"heldout_pass1": 0.2}})))  # 5 beats 4
     assert verdict == "inconclusive" and "4-5 not significantly negative on either primary: no" in reasons
+
+
+def test_statement_with_the_sampler_only_controls():
+    """--controls 7,8: the positive control is 8-1 and the entropy-matched one 4-7; arm 6's effect then counts
+    for nothing, and arm 7 beating arm 4 is what blocks 'supports'."""
+    up = {"heldout_pass1": 0.08, "reward_area": 0.08, "entropy": 0.1}
+    assert rep.planned((7, 8)) == ((2, 1), (4, 1), (4, 7), (8, 1)) and rep.planned() == rep.CONTRASTS
+    res = rep.analyze(fake_rows({8: up, 4: up}), controls=(7, 8))
+    assert set(res["contrasts"]) == set(rep.planned((7, 8)))
+    verdict, reasons = rep.statement(res)
+    assert verdict == "supports" and reasons[0].startswith("positive control (8-1"), reasons
+    assert rep.statement(rep.analyze(fake_rows({6: up, 4: up}), controls=(7, 8)))[0] == \
+        "inconclusive (positive control failed)"
+    verdict, reasons = rep.statement(rep.analyze(fake_rows({8: up, 4: up, 7: {"heldout_pass1": 0.2}}), controls=(7, 8)))
+    assert verdict == "inconclusive" and "4-7 not significantly negative on either primary: no" in reasons
+
+
+def test_mps_falls_back_and_cleans_up(tmp_path, monkeypatch, capsys):
+    """--mps where the daemon is missing, or starts but no CUDA client can use it (this CPU machine): the runs
+    go on without it, the daemon is told to quit, and the environment is as before."""
+    with rep.mps(False) as on:
+        assert on is False
+    monkeypatch.setattr(rep.shutil, "which", lambda name: None)
+    with rep.mps(True) as on:
+        assert on is False and "not found" in capsys.readouterr().out
+    log = tmp_path / "calls.log"  # a stand-in daemon control: records its arguments and stdin, always succeeds
+    fake = tmp_path / "nvidia-cuda-mps-control"
+    fake.write_text(f"#!/bin/sh\necho \"args:$*\" >> {log}\nif [ -z \"$1\" ]; then cat >> {log}; fi\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(rep.shutil, "which", lambda name: str(fake))
+    monkeypatch.setattr(rep.sys, "executable", sys.executable)
+    monkeypatch.setenv("PYTHONPATH", "")
+    before = dict(os.environ)
+    client_works = torch.cuda.is_available()
+    with rep.mps(True) as on:
+        assert on is client_works
+    calls = log.read_text()
+    assert "args:-d" in calls and "quit" in calls  # started, then told to quit
+    assert dict(os.environ) == before
+    if not client_works:
+        assert "a CUDA client failed" in capsys.readouterr().out
 
 
 def test_analysis_holm_over_the_four_contrasts():

@@ -59,6 +59,18 @@ def test_a_16_bit_base_draws_no_noise_unless_asked():
     assert recipes.parse(["--model", "qwen2.5-7b", "--quant", "bf16"]).aqn is False
 
 
+def test_the_update_scores_at_the_rollouts_temperature_unless_told():
+    """--train-temperature follows --temperature (TRL's GRPO trainer divides the logits by the sampling
+    temperature), in every recipe; given, it is the update's alone and the rollout keeps --temperature."""
+    for recipe in recipes.RECIPES:
+        args = recipes.parse(["--recipe", recipe])
+        assert args.train_temperature == args.temperature == 1.0, recipe
+    hot = recipes.parse(["--temperature", "1.5"])
+    assert (hot.temperature, hot.train_temperature) == (1.5, 1.5)
+    split = recipes.parse(["--temperature", "1.5", "--train-temperature", "1"])
+    assert (split.temperature, split.train_temperature) == (1.5, 1.0)
+
+
 def test_the_paper_recipe_evaluates_as_the_official_eval_and_rewards_as_the_paper():
     args = recipes.parse(["--model", "qwen2.5-7b", "--algo", "dapo"])
     assert (args.eval_temperature, args.eval_top_p, args.eval_max_new_tokens) == (0.6, 0.95, 1024)
@@ -103,6 +115,13 @@ def test_resumed_settings_keep_the_run_and_map_renamed_options(tmp_path):
     (tmp_path / "args.json").write_text(json.dumps({**old, "no_aqn": True, "no_dynamic_sampling": True}))
     args = recipes.saved_args(str(tmp_path))  # (an args.json written before --aqn and --dynamic-sampling)
     assert args.aqn is False and args.dynamic_sampling is False and not hasattr(args, "no_aqn")
+    # (an args.json written before --train-temperature: the update scores at the run's --temperature, as it did)
+    hot = {k: v for k, v in vars(recipes.parse(["--temperature", "1.3"])).items() if k != "train_temperature"}
+    (tmp_path / "args.json").write_text(json.dumps(hot))
+    assert recipes.saved_args(str(tmp_path)).train_temperature == 1.3
+    (tmp_path / "args.json").write_text(json.dumps({**hot, "train_temperature": 1.0}))
+    args = recipes.saved_args(str(tmp_path))
+    assert (args.temperature, args.train_temperature) == (1.3, 1.0)
     (tmp_path / "args.json").write_text("{")
     with pytest.raises(SystemExit, match="args.json is damaged"):
         recipes.saved_args(str(tmp_path))
@@ -112,6 +131,8 @@ def test_resumed_settings_keep_the_run_and_map_renamed_options(tmp_path):
     (["--seed", "-1"], "--seed -1: must be an integer >= 0"),
     (["--aqn-stages", "1"], "--aqn-stages 1: must be an integer >= 2 (stage 0 is noise-free)"),
     (["--temperature", "nan"], "--temperature nan: the rollout temperature (the logprobs divide by it) must be"),
+    (["--train-temperature", "0"], "--train-temperature 0.0: the update's temperature must be a finite number > 0"),
+    (["--train-temperature", "nan"], "--train-temperature nan: the update's temperature must be a finite number > 0"),
     (["--top-p", "0"], "--top-p 0.0: must be in (0, 1]"),
     (["--reward", "paper", "--format-reward", "0.1"], "--reward paper: the paper reward pays as its source does"),
     (["--prompt", "bare", "--reward", "strict", "--format-reward", "0.1"], "the bare prompt asks for no answer form"),

@@ -244,6 +244,35 @@ def test_the_update_in_micro_batches_gives_the_full_batch_gradient(hf_folder, mo
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
+def test_the_update_scores_the_samples_at_its_own_temperature(hf_folder):
+    """update_config takes --train-temperature (by default --temperature), and train.update's logprobs are of
+    softmax(logits / it): on a batch whose sampler logprobs are the policy's own at 1.5, the update at 1.5 sees
+    no sampler-trainer mismatch, and the update at 1 a mismatch, another entropy and other gradients."""
+    hot = settings("--temperature", "1.5", "--max-new-tokens", "8")
+    cold = settings("--temperature", "1.5", "--train-temperature", "1", "--max-new-tokens", "8")
+    assert (hot.temperature, cold.temperature) == (1.5, 1.0)
+    assert {**vars(cold), "temperature": 1.5} == vars(hot)  # (nothing else moves)
+    _, folder = hf_folder("qwen2", num_hidden_layers=2)
+    m = M.Transformer.from_pretrained(folder, dtype=torch.float32)
+    params = lora.apply_lora(m, rank=4, alpha=8)
+    for p in params:
+        p.data.normal_(0, 0.1, generator=torch.Generator().manual_seed(p.numel()))
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 101, (n,), generator=gen).tolist() for n in (4, 7)]
+    lengths = torch.tensor([3, 8, 2, 5, 4, 6, 1, 7])
+    tokens = torch.randint(0, 101, (8, 8), generator=gen)
+    with torch.no_grad():
+        logp, _ = completion_logprobs(m, [prompts[0]] * 4 + [prompts[1]] * 4, tokens, lengths, 1.5, 1024)
+    ro = type("Rollout", (), dict(tokens=tokens, lengths=lengths, logprobs=logp, finish=["stop"] * 8))
+    batch = fixed_batch(prompts, ro, torch.tensor([[1.0, 0, 0, 1], [0, 1, 1, 1]]))
+    seen, grads = {}, {}
+    for name, cfg in (("hot", hot), ("cold", cold)):
+        seen[name] = train.update(cfg, m, torch.optim.SGD(params, lr=0.0), params, batch)
+        grads[name] = [p.grad.clone() for p in params]
+    assert seen["hot"]["mismatch_kl"] < 1e-9 < seen["cold"]["mismatch_kl"], (seen["hot"], seen["cold"])
+    assert seen["hot"]["entropy"] != seen["cold"]["entropy"]
+    assert any(not torch.allclose(a, b) for a, b in zip(grads["hot"], grads["cold"]))
+
 
 def test_ratio_modes_on_the_tiny_policy_with_aqn_and_trained_norms():
     """One real step's batch of the bundled tiny policy, sampled with AQN noise on its trained norms, then
@@ -590,3 +619,22 @@ def test_a_16_bit_run_logs_no_noise_and_an_nvfp4_run_does(tmp_path):
         assert summary["aqn"] is (quant == "nvfp4")
     assert sigmas["bf16"] == [0.0, 0.0, 0.0]
     assert sigmas["nvfp4"][0] == 0.0 and all(s > 0 for s in sigmas["nvfp4"][1:]), sigmas
+
+
+def test_the_train_temperature_acts_on_the_update_alone(tmp_path):
+    """`--temperature 1.3 --train-temperature 1.3` is the run `--temperature 1.3` alone, to the last bit; with
+    `--train-temperature 1` the first rollout is the same (the sampler keeps --temperature) and the update is not."""
+    common = ["--steps", "2", "--prompts", "4", "--group-size", "4", "--eval-limit", "4", "--temperature", "1.3"]
+    metrics = {}
+    for name, flags in (("default", []), ("same", ["--train-temperature", "1.3"]),
+                        ("cold", ["--train-temperature", "1"])):
+        out = str(tmp_path / name)
+        train.main(common + flags + ["--out", out])
+        metrics[name] = read_metrics(out)
+        assert json.load(open(os.path.join(out, "args.json")))["train_temperature"] == (1.0 if name == "cold" else 1.3)
+    assert metrics["same"] == metrics["default"]
+    sampled = ("reward", "accuracy", "response_length", "groups", "filtered_groups")
+    first, cold = metrics["default"][0], metrics["cold"][0]
+    assert all(first[k] == cold[k] for k in sampled), {k: (first[k], cold[k]) for k in sampled}
+    assert first["entropy"] != cold["entropy"] and first["mismatch_kl"] < cold["mismatch_kl"]
+    assert metrics["cold"] != metrics["default"]
