@@ -45,11 +45,11 @@ follows, and each probe problem's right count), then `python eval.py` on the sav
 held-out problems x FINAL_SAMPLES samples at temperature 1), then `python experiments/calibrate.py
 entropy` (teacher-forced entropy on the probe problems' reference solutions). Runs are independent
 subprocesses, --jobs at a time, one CPU thread each (on one GPU with --device cuda in COMMON; --mps lets
-their kernels share it side by side, mps()). A run
-whose folder holds done.json is skipped; an unfinished one starts again from scratch (runs are short;
-resuming would need the taps' records cut back to the checkpoint). After a run its adapter, checkpoint
-and eval samples are deleted (per-problem counts kept), so the work folder stays small enough to carry
-between device calls; every per-step record stays (run/metrics.jsonl, probe.jsonl, heldout.jsonl).
+their kernels share it side by side, mps()). A run whose folder holds done.json is skipped; an unfinished
+one starts again from scratch (runs are short; resuming would need the taps' records cut back to the
+checkpoint). After a run its adapter, checkpoint and eval samples are deleted (per-problem counts kept),
+so the work folder stays small enough to carry between device calls; every per-step record stays
+(run/metrics.jsonl, probe.jsonl, heldout.jsonl).
 `keep` archives those records of every finished run (KEEP; small enough to commit, unlike the
 folders) as results/aqn_replication/runs.tar.gz, and `analyze --work` on that archive recomputes pilot.json,
 runs.csv, curves.json, table.md and the plots from it, without the run folders.
@@ -64,9 +64,9 @@ after the end), solved_frac (probe problems ever solved), probe_area (held-out p
 over the probes), tf_entropy (teacher-forced entropy at the end), sampler_entropy_early (mean -logp of
 the sampled tokens over the first third of the steps) and mismatch_kl (train.py's sampler-trainer KL,
 mean over steps). For each planned contrast (2-1, 4-1, 4-M, H-1 for the controls M, H: 4-5 and 6-1, or
-4-7 and 8-1 with --controls 7,8) and metric: the paired
-differences over the seeds both arms finished, their mean and 95% t-interval, and the exact two-sided
-sign-flip p (all 2^n sign patterns); for the primaries also the Holm-adjusted p over the four contrasts
+4-7 and 8-1 with --controls 7,8) and metric: the paired differences over the seeds both arms finished,
+their mean and 95% t-interval, and the two-sided sign-flip p (exact over all 2^n sign patterns up to 16
+pairs, from 200,000 drawn beyond); for the primaries also the Holm-adjusted p over the four contrasts
 (each primary its own family), the TOST equivalence p with margin MARGIN (two one-sided t-tests at 5%),
 and the detectable difference (80% power, two-sided alpha / 4, the observed sd of the differences).
 paired.png shows each contrast on the primaries seed by seed.
@@ -349,7 +349,7 @@ def stage_done(job, stage):
 
 def finish(job, keep_adapters=False):
     """After the last stage: per-problem right counts from eval.py's samples, then the bulky files removed
-    (adapter, checkpoints, samples), and done.json written."""
+    (adapter, checkpoints, samples, train.py's own plot, which no analysis reads), and done.json written."""
     eval_dir = os.path.join(job.run_dir, EVAL_DIR)
     samples = os.path.join(eval_dir, "samples.jsonl")
     if os.path.exists(samples):
@@ -364,6 +364,8 @@ def finish(job, keep_adapters=False):
         for name in os.listdir(train_dir):
             if name == "adapter" or name.startswith("checkpoint"):
                 shutil.rmtree(os.path.join(train_dir, name), ignore_errors=True)
+        if os.path.exists(os.path.join(train_dir, "curves.png")):
+            os.remove(os.path.join(train_dir, "curves.png"))
     with open(os.path.join(job.run_dir, "done.json"), "w") as f:
         json.dump({"stages": [s for s, _ in job.stages], "seed": job.seed, "lr": job.lr}, f)
 
@@ -409,10 +411,10 @@ def run_all(jobs, n_jobs, deadline, keep_adapters=False, min_run_s=0.0):
 
 @contextlib.contextmanager
 def mps(enabled):
-    """With `enabled`, CUDA's Multi-Process Service for the runs: without it the GPU time-slices between the
-    runs' processes, and the small kernels of a 13 M-parameter policy leave it mostly idle; with it their
-    kernels run side by side (in the second grid, 20 runs at once took 121 s a run against 205 s for 16 without:
-    results/aqn_replication_2). The daemon runs from a temporary folder and quits on the way out; where it
+    """With `enabled`, CUDA's Multi-Process Service for the runs. Without it the GPU time-slices between the
+    runs' processes, one process's kernels at a time, and the small kernels of a 13 M-parameter policy fill
+    little of it; with it the processes' kernels run side by side (in the second grid, 20 runs at once took
+    127 s a run, the median, against 205 s for 16 without: results/aqn_replication_2). The daemon runs from a temporary folder and quits on the way out; where it
     cannot start, or a client cannot use it, the runs share the GPU as before, and this says so. Yields
     whether it is on."""
     exe = shutil.which("nvidia-cuda-mps-control") if enabled else None
@@ -427,8 +429,11 @@ def mps(enabled):
         os.makedirs(d)
     with_env = dict(os.environ, **env)
     started = subprocess.run([exe, "-d"], env=with_env, capture_output=True, text=True).returncode == 0
-    client = started and subprocess.run([sys.executable, "-c", "import torch; torch.ones(8, device='cuda').sum().item()"],
-                                        env=with_env, capture_output=True, timeout=300).returncode == 0
+    try:
+        client = started and subprocess.run([sys.executable, "-c", "import torch; torch.ones(8, device='cuda').sum()"
+                                             ".item()"], env=with_env, capture_output=True, timeout=300).returncode == 0
+    except subprocess.TimeoutExpired:
+        client = False
     if started and not client:
         subprocess.run([exe], input="quit\n", env=with_env, text=True, capture_output=True)
     if not client:

@@ -307,6 +307,7 @@ def test_finish_keeps_counts_and_drops_the_bulk(tmp_path):
     os.makedirs(os.path.join(job.run_dir, "run", "adapter"))
     os.makedirs(os.path.join(job.run_dir, "run", "checkpoint"))
     os.makedirs(os.path.join(job.run_dir, "eval"))
+    open(os.path.join(job.run_dir, "run", "curves.png"), "wb").close()
     with open(os.path.join(job.run_dir, "eval", "samples.jsonl"), "w") as f:
         for i, c in [(0, True), (0, False), (1, True), (1, True), (2, False), (2, False)]:
             f.write(json.dumps({"index": i, "correct": c}) + "\n")
