@@ -212,15 +212,22 @@ def settings(*argv):
     return train.update_config(recipes.parse(list(argv)))
 
 
-def test_the_update_in_micro_batches_gives_the_full_batch_gradient(hf_folder, monkeypatch):
-    """train.update over one micro-batch and over several (--micro-batch 1, which packs short completions
-    into micro-batches of one whole sequence's memory): the same LoRA gradients, and every sequence in
-    exactly one micro-batch."""
+def lora_model(hf_folder):
+    """A random 2-layer Qwen2 in float32 with rank-4 adapters, B not zero (so the LoRA gradients are not
+    zero either): (model, LoRA params)."""
     _, folder = hf_folder("qwen2", num_hidden_layers=2)
     m = M.Transformer.from_pretrained(folder, dtype=torch.float32)
     params = lora.apply_lora(m, rank=4, alpha=8)
     for p in params:
         p.data.normal_(0, 0.1, generator=torch.Generator().manual_seed(p.numel()))
+    return m, params
+
+
+def test_the_update_in_micro_batches_gives_the_full_batch_gradient(hf_folder, monkeypatch):
+    """train.update over one micro-batch and over several (--micro-batch 1, which packs short completions
+    into micro-batches of one whole sequence's memory): the same LoRA gradients, and every sequence in
+    exactly one micro-batch."""
+    m, params = lora_model(hf_folder)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 101, (n,), generator=gen).tolist() for n in (5, 9)]
     lengths = torch.tensor([1, 3, 2, 8, 4, 1, 2, 5])  # two groups of 4 samples; 8 = max_new_tokens
@@ -252,11 +259,7 @@ def test_the_update_scores_the_samples_at_its_own_temperature(hf_folder):
     cold = settings("--temperature", "1.5", "--train-temperature", "1", "--max-new-tokens", "8")
     assert (hot.temperature, cold.temperature) == (1.5, 1.0)
     assert {**vars(cold), "temperature": 1.5} == vars(hot)  # (nothing else moves)
-    _, folder = hf_folder("qwen2", num_hidden_layers=2)
-    m = M.Transformer.from_pretrained(folder, dtype=torch.float32)
-    params = lora.apply_lora(m, rank=4, alpha=8)
-    for p in params:
-        p.data.normal_(0, 0.1, generator=torch.Generator().manual_seed(p.numel()))
+    m, params = lora_model(hf_folder)
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 101, (n,), generator=gen).tolist() for n in (4, 7)]
     lengths = torch.tensor([3, 8, 2, 5, 4, 6, 1, 7])
@@ -623,15 +626,22 @@ def test_a_16_bit_run_logs_no_noise_and_an_nvfp4_run_does(tmp_path):
 
 def test_the_train_temperature_acts_on_the_update_alone(tmp_path):
     """`--temperature 1.3 --train-temperature 1.3` is the run `--temperature 1.3` alone, to the last bit; with
-    `--train-temperature 1` the first rollout is the same (the sampler keeps --temperature) and the update is not."""
+    `--train-temperature 1` the first rollout is the same (the sampler keeps --temperature) and the update is not.
+    The runs use one CPU thread: with two, two runs of one seed in one process differed in step 1's 7th digit
+    (with one they do not), which would hide what the option does behind what the threads do."""
     common = ["--steps", "2", "--prompts", "4", "--group-size", "4", "--eval-limit", "4", "--temperature", "1.3"]
-    metrics = {}
-    for name, flags in (("default", []), ("same", ["--train-temperature", "1.3"]),
-                        ("cold", ["--train-temperature", "1"])):
-        out = str(tmp_path / name)
-        train.main(common + flags + ["--out", out])
-        metrics[name] = read_metrics(out)
-        assert json.load(open(os.path.join(out, "args.json")))["train_temperature"] == (1.0 if name == "cold" else 1.3)
+    metrics, threads = {}, torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for name, flags in (("default", []), ("same", ["--train-temperature", "1.3"]),
+                            ("cold", ["--train-temperature", "1"])):
+            out = str(tmp_path / name)
+            train.main(common + flags + ["--out", out])
+            metrics[name] = read_metrics(out)
+            assert json.load(open(os.path.join(out, "args.json")))["train_temperature"] == \
+                (1.0 if name == "cold" else 1.3)
+    finally:
+        torch.set_num_threads(threads)
     assert metrics["same"] == metrics["default"]
     sampled = ("reward", "accuracy", "response_length", "groups", "filtered_groups")
     first, cold = metrics["default"][0], metrics["cold"][0]
