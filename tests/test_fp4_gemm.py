@@ -216,6 +216,37 @@ def test_opcheck_and_compile_trace():
 
 
 
+def qwen25_layer_shapes(size):
+    """{layer: (K, N, fused)} of a Qwen2.5 decoder block as the model runs it: q/k/v and gate/up fused (one
+    global scale per part, as after QuantLinear.concat), o and down alone."""
+    import model
+
+    c = model.qwen25_config(size)
+    qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    return {"qkv": (c.hidden_size, qkv, True), "o": (c.num_heads * c.head_dim, c.hidden_size, False),
+            "gate_up": (c.hidden_size, 2 * c.intermediate_size, True), "down": (c.intermediate_size, c.hidden_size, False)}
+
+
+@gpu_only
+@pytest.mark.parametrize("layer", ["qkv", "o", "gate_up", "down"])
+def test_gpu_default_plans_at_the_72b_shapes(layer):
+    """Each Qwen2.5-72B layer through the plan the engine picks for it (plan_forward, unpinned) at the rows
+    of x an RL step runs it at: 1 and 8 (decode), 64 (a rollout's batch), 256 (prefill, the update's
+    micro-batches). The 72B shapes take plans the 7B-32B tests never reach: down's K = 29568 is no multiple
+    of 256 (k-steps of 128, split unevenly), q/k/v at 64 rows persistent stream-K. Against the float64
+    decode of fp4_ref, within its bf16 tolerance; a wrong split or tail is off by far more."""
+    K, N, fused = qwen25_layer_shapes("72b")[layer]
+    q = make_q(N, K, per_row=fused, seed=K + N)
+    w = ref_weight(q.packed, q.scale, q.global_scale).to(DEV)  # (N, K) float64, decoded apart from fp4_gemm
+    g = torch.Generator().manual_seed(N)
+    x = torch.randn(256, K, generator=g).to(torch.bfloat16).to(DEV)
+    for M in (1, 8, 64, 256):
+        y = fp4_gemm.fp4_linear(x[:M], q, None)
+        ref = x[:M].double() @ w.t()
+        err = ((y.double() - ref).norm() / ref.norm()).item()
+        assert torch.isfinite(y).all() and err < tol(torch.bfloat16), (layer, M, K, N, err)
+
+
 @gpu_only
 def test_gpu_cuda_graph_and_compile():
     """A decode-sized call replays inside a CUDA graph and runs under torch.compile with the same result."""
