@@ -96,6 +96,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
+from unittest import mock
 
 import numpy as np
 
@@ -442,18 +443,12 @@ def mps(enabled):
         shutil.rmtree(tmp, ignore_errors=True)
         yield False
         return
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # (the runs' subprocesses inherit it: aqn_grid.job_env copies os.environ)
     print(f"--mps: CUDA MPS on ({tmp})", flush=True)
-    try:
-        yield True
+    try:  # (the runs' subprocesses inherit the environment: aqn_grid.job_env copies os.environ)
+        with mock.patch.dict(os.environ, env):
+            yield True
     finally:
         subprocess.run([exe], input="quit\n", env=with_env, text=True, capture_output=True)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -675,7 +670,7 @@ def entropy_up(res, c):
 
 def statement(res):
     """(verdict, reasons): the rule of the module docstring applied to the analysis."""
-    matched, hot = res.get("controls", CONTROLS)
+    matched, hot = res["controls"]
     positive = wins(res, (hot, 1), "heldout_pass1")
     helped = [a for a in (2, 4) if any(wins(res, (a, 1), k) for k in PRIMARY)]
     up = [a for a in helped if entropy_up(res, (a, 1))]
@@ -793,7 +788,7 @@ def plot_paired(res, path):
     fig, axes = plt.subplots(1, len(PRIMARY), figsize=(6 * len(PRIMARY), 4.5), squeeze=False)
     for ax, k in zip(axes.flat, PRIMARY):
         names = []
-        for i, c in enumerate(c for c in planned(res.get("controls", CONTROLS)) if k in res["contrasts"].get(c, {})):
+        for i, c in enumerate(c for c, cs in res["contrasts"].items() if k in cs):  # (analyze's order: planned)
             x = res["contrasts"][c][k]
             names.append(f"{c[0]}-{c[1]}")
             offsets = np.linspace(-0.15, 0.15, max(len(x["diffs"]), 1))
@@ -1117,8 +1112,8 @@ def write_results(jobs, out, args):
         write_rows(os.path.join(out, "runs.csv"), rows)
     rounded = {k: {n: [None if v is None else round(v, 6) for v in vs] for n, vs in c.items()} for k, c in curves.items()}
     with open(os.path.join(out, "curves.json"), "w") as f:
-        json.dump({"arms": {a.number: [a.name, a.label, *a.flags] for a in ARMS if a in {j.arm for j in jobs}},
-                   "runs": rounded}, f,
+        ran = {j.arm for j in jobs}
+        json.dump({"arms": {a.number: [a.name, a.label, *a.flags] for a in ARMS if a in ran}, "runs": rounded}, f,
                   separators=(",", ":"))
     table = table_md(res, settings, dropped)
     with open(os.path.join(out, "table.md"), "w") as f:
