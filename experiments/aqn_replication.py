@@ -414,8 +414,8 @@ def run_all(jobs, n_jobs, deadline, keep_adapters=False, min_run_s=0.0):
 def mps(enabled):
     """With `enabled`, CUDA's Multi-Process Service for the runs. Without it the GPU time-slices between the
     runs' processes, one process's kernels at a time, and the small kernels of a 13 M-parameter policy fill
-    little of it; with it the processes' kernels run side by side (in the second grid, 20 runs at once took
-    127 s a run, the median, against 205 s for 16 without: results/aqn_replication_2). The daemon runs from a temporary folder and quits on the way out; where it
+    little of it; with it the processes' kernels run side by side (about twice the runs an hour on an H100:
+    results/aqn_replication_2). The daemon runs from a temporary folder and quits on the way out; where it
     cannot start, or a client cannot use it, the runs share the GPU as before, and this says so. Yields
     whether it is on."""
     exe = shutil.which("nvidia-cuda-mps-control") if enabled else None
