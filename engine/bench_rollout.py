@@ -223,8 +223,40 @@ def floor_ms(weight_bytes, kv_token_bytes, kv_tokens, copy_tb_s):
     return (weight_bytes + kv_tokens * kv_token_bytes) / copy_tb_s / 1e9
 
 
-def _profile(model, batch, prompt_len, steps=4):
-    """GPU time per kernel over a few eager decode steps (prefill excluded), grouped: where a step goes."""
+def step_reads(model, batch, columns):
+    """What one decode step of `batch` rows at `columns` cache columns must read, in three parts, each with
+    the profile groups whose kernels read it: {part: (bytes, groups)}. The rest of a step's kernels (norms,
+    RoPE, SiLU, the sampler, split-K reduces) read only activations, so their floor is about zero."""
+    quant = sum(t.numel() * t.element_size() for mod in model.modules() if isinstance(mod, fp4_gemm.QuantLinear)
+                for t in mod.buffers())
+    dense = step_bytes(model) - quant  # lm_head, LoRA, a bf16 base's linears (and the norms' few KB)
+    kv = batch * columns * memory.kv_bytes_per_token(model.config, model.dtype)
+    return {"NVFP4 weights": (quant, ("fp4 gemm", "fp4 gemm: x in K order")),
+            "16-bit weights (lm_head, LoRA, a bf16 base, norms)": (dense, ("cuBLAS (lm_head, LoRA, bf16 base)",
+                                                                    "LoRA A (small_linear)", "LoRA B")),
+            f"KV cache ({batch} x {columns} columns)": (kv, ("attention",))}
+
+
+def against_reads(groups, reads, copy_tb_s):
+    """The profile's groups {name: ms} set against step_reads: for each part, the bytes, their floor at
+    `copy_tb_s` TB/s, the groups' time and the share (floor / time); then the time of the groups that
+    read no weights or cache. → lines."""
+    lines, seen = [], set()
+    for part, (nbytes, names) in reads.items():
+        ms = sum(groups.get(n, 0.0) for n in names)
+        floor = nbytes / copy_tb_s / 1e9
+        seen.update(names)
+        lines.append(f"    {part}: {nbytes / 1e9:.3f} GB, floor {floor:.3f} ms; its kernels {ms:.3f} ms"
+                     + (f" (share {floor / ms:.0%})" if ms > 0 else ""))
+    rest = {n: ms for n, ms in groups.items() if n not in seen}
+    lines.append(f"    the rest (activations only, floor ~0): {sum(rest.values()):.3f} ms ("
+                 + ", ".join(f"{n} {ms:.3f}" for n, ms in sorted(rest.items(), key=lambda kv: -kv[1])) + ")")
+    return lines
+
+
+def _profile(model, batch, prompt_len, steps=4, copy_tb_s=None):
+    """GPU time per kernel over a few eager decode steps (prefill excluded), grouped: where a step goes;
+    with `copy_tb_s`, each group set against what it must read (step_reads, against_reads)."""
     from torch.profiler import ProfilerActivity, profile
 
     V = model.config.vocab_size
@@ -262,6 +294,10 @@ def _profile(model, batch, prompt_len, steps=4):
     lines = [f"profile batch {batch}: kernel time per step {total:.3f} ms in {sum(v[1] for v in groups.values()):.0f} launches"]
     for k, (ms, c) in sorted(groups.items(), key=lambda kv: -kv[1][0]):
         lines.append(f"    {k:<40} {ms:7.3f} ms  {c:5.0f} launches")
+    if copy_tb_s:  # (the cache holds the prompt, the 2-token rollout, and the steps: about their middle here)
+        lines.append(f"  against its reads, at {copy_tb_s:.2f} TB/s:")
+        lines += against_reads({k: v[0] for k, v in groups.items()},
+                               step_reads(model, batch, prompt_len + 3 + steps // 2), copy_tb_s)
     return "\n".join(lines)
 
 
@@ -351,7 +387,7 @@ def bench(args):
             if args.profile and (size, quant) == ("7b", "nvfp4"):
                 for b in args.profile:
                     try:
-                        line = f"{size} {quant} " + _profile(model, b, args.prompt_len)
+                        line = f"{size} {quant} " + _profile(model, b, args.prompt_len, copy_tb_s=copy_tb_s)
                     except Exception as e:
                         line = f"{size} {quant} profile failed: {type(e).__name__}: {e}"
                     print(line, flush=True)

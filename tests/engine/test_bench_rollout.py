@@ -112,6 +112,32 @@ def test_a_rows_floor_and_the_table():
     assert "| Qwen2.5-72B shape | 1 | 50 | 20.00 | 14.00 | 70% | - | - | - | - | - |" in table
 
 
+def test_a_profile_is_set_against_its_reads():
+    """step_reads splits a step's reads into the NVFP4 weights (every QuantLinear's codes and scales), the
+    16-bit rest of step_bytes (lm_head, LoRA) and the rows' KV cache; against_reads sets each profile group
+    against the part it reads (share = floor / time) and sums what reads no weights."""
+    cfg = M.Config({**M.qwen25_config("0.5b").raw, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+                    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 97, "tie_word_embeddings": False})
+    m = bench_rollout.random_model(cfg, "nvfp4", "cpu", pool_blocks=4096)
+    bench_rollout._add_lora(m, 4)
+    reads = bench_rollout.step_reads(m, batch=3, columns=10)
+    (quant, _), (dense, _), (kv, attn) = reads.values()
+    per_layer = 64 * (64 + 32 + 32 + 64 + 96 * 3)  # q, k, v, o, gate, up, down weights (head_dim 16)
+    assert quant == 2 * (per_layer // 2 + per_layer // 16) + sum(  # 4-bit codes, a byte's scale per 16, fp32 globals
+        x.weight_global_scale.numel() * 4 for x in m.modules() if isinstance(x, fp4_gemm.QuantLinear))
+    assert quant + dense == bench_rollout.step_bytes(m) and dense > 97 * 64 * 2  # lm_head and LoRA
+    assert kv == 3 * 10 * 2 * 2 * 2 * 16 * 2 and attn == ("attention",)
+    groups = {"fp4 gemm": 2.0, "attention": 0.5, "LoRA B": 0.25, "cuBLAS (lm_head, LoRA, bf16 base)": 0.75,
+              "silu_mul": 0.2, "add_rmsnorm": 0.1}
+    reads = {"w": (2e9, ("fp4 gemm", "fp4 gemm: x in K order")), "d": (0.5e9, ("LoRA B", "cuBLAS (lm_head, LoRA, bf16 base)")),
+             "kv": (0.25e9, ("attention",))}
+    lines = bench_rollout.against_reads(groups, reads, copy_tb_s=2.0)
+    assert lines[0] == "    w: 2.000 GB, floor 1.000 ms; its kernels 2.000 ms (share 50%)"
+    assert lines[1].endswith("floor 0.250 ms; its kernels 1.000 ms (share 25%)")
+    assert lines[2].endswith("floor 0.125 ms; its kernels 0.500 ms (share 25%)")
+    assert lines[3] == "    the rest (activations only, floor ~0): 0.300 ms (silu_mul 0.200, add_rmsnorm 0.100)"
+
+
 def test_json_rows_are_written_whole(tmp_path):
     import json
 
