@@ -27,7 +27,7 @@ loop:
   products ride in the mma GEMM's launch (engine/side.py) or run beside the GEMM on a second stream
   (Decoder.gemm).
 - As rows finish, the live ones move into a state of half the rows or fewer, with its own graph
-  (Decoder.shrink); a row keeps its row key and so its draws.
+  (Decoder.shrink), captured with the full state's; a row keeps its row key and so its draws.
 - A short prefill replays a CUDA graph per (prompts, padded length) shape (PREFILL_GRAPH_TOKENS).
 
 LoRA stays unmerged: its A's and B's are copied at the start of every call, in the model's dtype with
@@ -585,17 +585,15 @@ class Decoder:
         self.sample(m.lm_head(h), st, sp)
         st.counters.add_(1)
 
-    def capture(self, st, sp, key, mid_call=False):
-        """Record one step as a CUDA graph (after two eager warm-up steps that compile the kernels). The
-        warm-up steps run on rows marked finished (no attention reads) and write their K/V and outputs
-        where later steps overwrite them: before a call at cache column 0 and output step 0, mid-call (a
-        smaller state's first step, Decoder.shrink) at the current column and step. The counters and the
-        row state they change are put back."""
+    def capture(self, st, sp, key):
+        """Record one step as a CUDA graph (after two eager warm-up steps that compile the kernels), before
+        a call's prefill. The warm-up steps run on rows marked finished (no attention reads) and write their
+        K/V and outputs at cache column 0 and output step 0, where the prefill writes after them. The
+        counters and the row state they change are put back."""
         t0 = time.perf_counter()
         changed = (st.tok, st.done, st.stopped, st.lengths, st.counters)
         kept = [t.clone() for t in changed]
-        if not mid_call:
-            st.counters.zero_()
+        st.counters.zero_()
         st.done.fill_(1)
         st.host_col = None
         side = torch.cuda.Stream()
@@ -744,6 +742,14 @@ class Decoder:
         if self.graphs:
             if key not in st.graphs:
                 stats["capture_s"] = self.capture(st, sp, key)
+            if sp.stop_ids and compact and stream is None and max_new_tokens - 1 - check_every >= check_every:
+                # and the smaller states that shrink may move the rows into (1, 2, 4, ... N / 2 rows): a graph
+                # first needed mid-rollout would compile the GEMM kernels of its row count while the rollout
+                # waits, in whichever call first passes through that count, not only the first call
+                for i in range((N // 2).bit_length()):
+                    sub = self.substate(st, 1 << i)
+                    if (*key[:-1], sub.n) not in sub.graphs:
+                        stats["capture_s"] += self.capture(sub, sp, (*key[:-1], sub.n))
             graph = st.graphs[key]
             stats["graphs"] = True
         # reset the per-call state
@@ -783,14 +789,13 @@ class Decoder:
                     break
                 if compact and stream is None and max_new_tokens - 1 - t >= check_every:
                     now = time.perf_counter()  # (the device has caught up: done was read)
-                    smaller, capture_s = self.shrink(root, st, order, done, Lp + t, sp, key)
+                    smaller = self.shrink(root, st, order, done, Lp + t)
                     if smaller is not st:
                         segments.append((st.N, steps - seg_steps, now - seg_t))
-                        seg_steps, seg_t = steps, now + capture_s
+                        seg_steps, seg_t = steps, now
                         st = smaller
                         graph = st.graphs.get((*key[:-1], st.n)) if self.graphs else None
                         shrinks.append((t, st.N))
-                        stats["capture_s"] += capture_s
         sync()
         t2 = time.perf_counter()
         segments.append((st.N, steps - seg_steps, t2 - seg_t))
@@ -803,17 +808,16 @@ class Decoder:
                        finish=["stop" if s else "length" for s in stopped],
                        prompt_index=torch.arange(P, device=dev).repeat_interleave(n), stats=stats)
 
-    def shrink(self, root, st, order, done, column, sp, key):
+    def shrink(self, root, st, order, done, column):
         """Finished rows stop costing GEMM rows: if st's live rows (done: st's flags, on the host) fit in at
         most half of its rows, rounded up to a power of two, move them to the front of root's rows (their
-        K/V up to `column`, the next step's) and return the smaller state of root over them (_State with a
-        parent; its step's graph captured the first time) and the seconds that capture took; otherwise st
-        and 0. A row keeps its row key, so it samples the same noise in any state. order (root's rows:
-        which row of the call each holds) moves along."""
+        K/V up to `column`, the next step's) and return the smaller state of root over them (substate; run
+        captured its graph); otherwise st. A row keeps its row key, so it samples the same noise in any
+        state. order (root's rows: which row of the call each holds) moves along."""
         live = (~done).nonzero()[:, 0]
         N2 = _pow2(live.numel())
         if N2 > st.N // 2:
-            return st, 0.0
+            return st
         keep = torch.cat([live, done.nonzero()[:, 0]])  # st's rows, the live ones first, then the finished
         on_dev = keep.to(self.device)
         for name in _State.ROW_TENSORS:  # the finished rows' outputs are kept, behind the live rows
@@ -824,12 +828,14 @@ class Decoder:
             for layer in range(cache.shape[0]):  # (a layer at a time: the gather's copy stays small)
                 cache[layer, : rows.numel(), :, :column] = cache[layer, rows, :, :column]
         order[: st.N] = order[: st.N][keep]
-        sub = root.subs.get(N2)
-        if sub is None:
-            sub = root.subs[N2] = _State(self, N2, root.S, parent=root)
-        key = (*key[:-1], sub.n)
-        capture_s = self.capture(sub, sp, key, mid_call=True) if self.graphs and key not in sub.graphs else 0.0
-        return sub, capture_s
+        return self.substate(root, N2)
+
+    def substate(self, root, N2):
+        """root's smaller state of N2 rows, made the first time (a _State with root as parent, kept in
+        root.subs)."""
+        if N2 not in root.subs:
+            root.subs[N2] = _State(self, N2, root.S, parent=root)
+        return root.subs[N2]
 
 
 def _fingerprint(model):

@@ -4,6 +4,7 @@ count differs), the same seeded samples. On the CPU the engine runs its fused op
 (kernels="torch") and, under Triton's interpreter, as the Triton kernels; on a GPU the graphed step,
 also in bf16 and with NVFP4 bases, against one full forward."""
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -180,6 +181,46 @@ def test_finished_rows_leave_the_batch(hf_folder, kernels, n, shrinks):
         assert steps[t:t_next] == [n_rows] * (t_next - t)  # the steps after the shrink at step t ran n_rows rows
         live = (ref.lengths > t + 1).sum().item()  # rows that had not ended by output step t
         assert live <= n_rows < 2 * live
+
+
+def test_every_smaller_state_is_captured_with_the_full_one(hf_folder, monkeypatch):
+    """With graphs, run captures the step of every state shrink may move rows into (1, 2, 4, ... half the
+    rows) with the full state's, before the call's prefill, so that a later call captures nothing whichever
+    row counts its stops pass through. On the CPU, with a stand-in capture whose graph replays the eager step
+    (what a CUDA graph of the step records): each call's rollout equals the ungraphed engine's."""
+    _, model = load(hf_folder, seed=12)
+    monkeypatch.setattr(decode, "PREFILL_GRAPH_TOKENS", 0)
+    dec = decode.Decoder(model, kernels="torch", graphs=False)
+    dec.graphs = True
+    captured, prefills = [], []
+
+    class Replay:
+        def __init__(self, st, sp):
+            self.st, self.sp = st, sp
+
+        def replay(self):
+            dec.step(self.st, self.sp)
+
+    def capture(st, sp, key):
+        captured.append((st.N, len(prefills)))
+        st.graphs[key] = Replay(st, sp)
+        return 0.5
+
+    prefill = dec.prefill
+    monkeypatch.setattr(dec, "capture", capture)
+    monkeypatch.setattr(dec, "prefill", lambda *a, **k: prefills.append(1) or prefill(*a, **k))
+    prompts = prompts_of([3, 6, 2, 5], 97, seed=13)
+    stops = set(range(3, 97, 9))
+    shrinks = []
+    for seed in (5, 6, 7):
+        got = dec.run(prompts, 4, 40, SimpleNamespace(temperature=1.3, top_p=1.0, top_k=0, pad_id=0, stop_ids=stops), seed)
+        ref = decode.generate(model, prompts, n=4, max_new_tokens=40, temperature=1.3, stop_ids=stops, seed=seed,
+                              kernels="torch", graphs=False)
+        assert_same_rollout(got, ref, atol=1e-5)
+        assert got.stats["graphs"] and got.stats["capture_s"] == (2.5 if seed == 5 else 0.0)
+        shrinks.append([n for _, n in got.stats["shrinks"]])
+    assert captured == [(16, 0), (1, 0), (2, 0), (4, 0), (8, 0)]  # (rows, prefills run before it)
+    assert len(set(map(tuple, shrinks))) > 1  # (the calls' rows did pass through different counts)
 
 
 def test_samples_share_the_prompt_prefill(hf_folder):
@@ -424,9 +465,10 @@ def test_gpu_short_prefill_replays_its_graph(hf_folder, quantize):
 @pytest.mark.parametrize("quantize", [True, False])
 def test_gpu_finished_rows_leave_the_graph(hf_folder, monkeypatch, quantize):
     """Graphed, 40 rows (NVFP4: the warp-specialized kernel) that stop at different steps: the live rows
-    move into smaller states, each with its graph, captured mid-call the first time (its warm-up steps
-    must leave the rows' state as it was). The logprobs match one full forward; a second call with the same
-    seed replays those graphs and gives the same rollout bit for bit. A third with a longer stop list drops
+    move into smaller states, each with its graph, captured with the full state's before the prefill (their
+    warm-up steps write where the prefill and the later steps write after them). The logprobs match one
+    full forward; a second call with the same seed replays those graphs and gives the same rollout bit for
+    bit. A third with a longer stop list drops
     every graph (the prefill runs eagerly here, so none is left) and captures them again in the same pool."""
     monkeypatch.setattr(decode, "PREFILL_GRAPH_TOKENS", 0)
     model = gpu_lora_model(hf_folder, seed=16, quantize=quantize)
