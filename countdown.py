@@ -51,9 +51,11 @@ read. `verdict` says which rule failed; `grade` is `verdict == "right"`.
 
 import argparse
 import hashlib
+import json
 import random
 import re
 from fractions import Fraction
+from pathlib import Path
 
 SPLITS = ("train", "test")
 DEFAULT_SIZE = {"train": 100_000, "test": 1000}
@@ -66,6 +68,9 @@ OPS = "+-*/"
 INSTRUCTION = ('Use each number exactly once with + - * / to reach the target. Combine two numbers a step, '
                'then write the expression after "####".')
 KIND = "countdown"
+# The hard problems: those the replication's policy (assets/countdown) solved in none of its samples before RL,
+# picked from both splits by experiments/hard_problems.py and kept here as {split}.jsonl (load_hard)
+HARD_DIR = Path(__file__).resolve().parent / "assets" / "countdown_hard"
 
 # The Unicode operators read as their ASCII forms: minus sign, multiplication sign, division sign,
 # asterisk operator, dot operator, division slash.
@@ -170,6 +175,26 @@ def load(split, n=None, seed=0):
         items.append({"question": question(numbers, target), "answer": gold(numbers, target, expression),
                       "kind": KIND, "solution": trace(steps, expression)})
     return items
+
+
+def load_hard(split, n=None, seed=0, folder=None):
+    """The first `n` (default: all) of the hard problems of `split` (HARD_DIR/{split}.jsonl, records as load's).
+    They are fixed by the policy they were picked for, not drawn, so `seed` is accepted (load's callers pass
+    one) and must be 0."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if seed != 0:
+        raise ValueError(f"the hard problems are a fixed list, not a draw: seed must be 0, got {seed!r}")
+    folder = HARD_DIR if folder is None else folder
+    path = Path(folder) / f"{split}.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: pick the hard problems first, with "
+                                f"`python experiments/hard_problems.py --out {folder}` (a GPU: minutes)")
+    with open(path, encoding="utf-8") as f:
+        items = [json.loads(line) for line in f if line.strip()]
+    if n is not None and n > len(items):
+        raise ValueError(f"{path} holds {len(items)} problems, not {n}: ask for {len(items)} or fewer")
+    return items[:n]
 
 
 # ---------------------------------------------------------------------------------------------

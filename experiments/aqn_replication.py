@@ -281,10 +281,11 @@ class Job:
 def task_name(flags):
     data = flags["--eval-data"]
     import tiny
+    from experiments.calibrate import SUBSETS
 
-    if data not in tiny.SYNTHETIC:
+    if data not in tiny.SYNTHETIC and data not in SUBSETS:
         raise ValueError(f"--eval-data {data}: the replication's probes and teacher-forced entropy need a synthetic "
-                         f"task ({', '.join(tiny.SYNTHETIC)})")
+                         f"task or one of its subsets ({', '.join([*tiny.SYNTHETIC, *SUBSETS])})")
     return data
 
 

@@ -123,6 +123,18 @@ def test_overrides_and_the_pilot(tmp_path):
         assert float(flag(j.stages[0][1], "--lr")) == j.lr and flag(j.stages[0][1], "--steps") == "7"
 
 
+def test_the_hard_problems_run_through_every_stage(tmp_path):
+    """--override='--data countdown-hard --eval-data countdown-hard' (the fourth grid): train.py, eval.py and the
+    teacher-forced entropy all read the hard problems; a set that is no synthetic task or subset is refused."""
+    hard = rep.common_flags("--data countdown-hard --eval-data countdown-hard", lr=5e-4)
+    assert rep.task_name(hard) == "countdown-hard"
+    job = rep.make_job("x", None, 0, 5e-4, ["--data", "countdown-hard", "--quant", "bf16"], hard, str(tmp_path))
+    train, ev, ent = (cmd for _, cmd in job.stages)
+    assert flag(train, "--data") == flag(ev, "--data") == flag(ent, "--data") == "countdown-hard"
+    with pytest.raises(ValueError, match="countdown-hard"):
+        rep.task_name(rep.common_flags("--eval-data gsm8k", lr=5e-4))
+
+
 def test_dry_run_before_calibration_shows_placeholders(tmp_path, capsys):
     jobs = rep.main(["grid", "--dry-run", "--out", str(tmp_path), "--work", str(tmp_path / "w"), "--seeds", "1"])
     assert len(jobs) == len(rep.FIRST_ARMS) and not (tmp_path / "w").exists()  # nothing run, nothing written
