@@ -73,7 +73,7 @@ from data import DATASETS, dataset_path, load_dataset
 # hundred, and any other set is taken as MATH-style long reasoning and gets 2048 tokens (the official
 # GSM8K scripts' completion length; their BigMath runs allow 4096). evaluate() is told no data set, so a
 # caller that names no budget gets one fixed middle value; train.py and tiny.py always pass their own.
-DEFAULT_MAX_NEW_TOKENS = {"arith": 64, "countdown": 80, "countdown-hard": 80, "gsm8k": 512}  # eval.py --data NAME -> budget
+DEFAULT_MAX_NEW_TOKENS = {"arith": 64, "countdown": 80, "countdown-hard": 80, "gsm8k": 512}  # by --data
 OTHER_MAX_NEW_TOKENS = 2048  # eval.py --data of any other name, or a file
 EVALUATE_MAX_NEW_TOKENS = 1024  # evaluate()'s default (and what None means there)
 # Completions a rollout.generate call samples when batch_size is not given: the tiny model's KV cache is

@@ -19,6 +19,7 @@ kept, and the policy's pass@1 over all the candidates). The test split's problem
 train split's by countdown.split_of, so no kept held-out problem is trained on.
 """
 import argparse
+import json
 import os
 import platform
 import sys
@@ -49,8 +50,6 @@ def unsolved(model, tokenizer, items, samples, max_new_tokens, batch_size, seed=
 
 def write_jsonl(path, records):
     """One JSON object a line, atomically (a crash leaves the old file or none, never half of one)."""
-    import json
-
     tmp = f"{path}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         for r in records:

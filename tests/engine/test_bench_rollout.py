@@ -129,8 +129,8 @@ def test_a_profile_is_set_against_its_reads():
     assert kv == 3 * 10 * 2 * 2 * 2 * 16 * 2 and attn == ("attention",)
     groups = {"fp4 gemm": 2.0, "attention": 0.5, "LoRA B": 0.25, "cuBLAS (lm_head, LoRA, bf16 base)": 0.75,
               "silu_mul": 0.2, "add_rmsnorm": 0.1}
-    reads = {"w": (2e9, ("fp4 gemm", "fp4 gemm: x in K order")), "d": (0.5e9, ("LoRA B", "cuBLAS (lm_head, LoRA, bf16 base)")),
-             "kv": (0.25e9, ("attention",))}
+    reads = {"w": (2e9, ("fp4 gemm", "fp4 gemm: x in K order")),
+             "d": (0.5e9, ("LoRA B", "cuBLAS (lm_head, LoRA, bf16 base)")), "kv": (0.25e9, ("attention",))}
     lines = bench_rollout.against_reads(groups, reads, copy_tb_s=2.0)
     assert lines[0] == "    w: 2.000 GB, floor 1.000 ms; its kernels 2.000 ms (share 50%)"
     assert lines[1].endswith("floor 0.250 ms; its kernels 1.000 ms (share 25%)")

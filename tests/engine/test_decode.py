@@ -211,9 +211,9 @@ def test_every_smaller_state_is_captured_with_the_full_one(hf_folder, monkeypatc
     monkeypatch.setattr(dec, "prefill", lambda *a, **k: prefills.append(1) or prefill(*a, **k))
     prompts = prompts_of([3, 6, 2, 5], 97, seed=13)
     stops = set(range(3, 97, 9))
-    shrinks = []
+    sp, shrinks = SimpleNamespace(temperature=1.3, top_p=1.0, top_k=0, pad_id=0, stop_ids=stops), []
     for seed in (5, 6, 7):
-        got = dec.run(prompts, 4, 40, SimpleNamespace(temperature=1.3, top_p=1.0, top_k=0, pad_id=0, stop_ids=stops), seed)
+        got = dec.run(prompts, 4, 40, sp, seed)
         ref = decode.generate(model, prompts, n=4, max_new_tokens=40, temperature=1.3, stop_ids=stops, seed=seed,
                               kernels="torch", graphs=False)
         assert_same_rollout(got, ref, atol=1e-5)
@@ -468,8 +468,8 @@ def test_gpu_finished_rows_leave_the_graph(hf_folder, monkeypatch, quantize):
     move into smaller states, each with its graph, captured with the full state's before the prefill (their
     warm-up steps write where the prefill and the later steps write after them). The logprobs match one
     full forward; a second call with the same seed replays those graphs and gives the same rollout bit for
-    bit. A third with a longer stop list drops
-    every graph (the prefill runs eagerly here, so none is left) and captures them again in the same pool."""
+    bit. A third with a longer stop list drops every graph (the prefill runs eagerly here, so none is left)
+    and captures them again in the same pool."""
     monkeypatch.setattr(decode, "PREFILL_GRAPH_TOKENS", 0)
     model = gpu_lora_model(hf_folder, seed=16, quantize=quantize)
     prompts = prompts_of([13, 4, 30, 7, 19], 97, seed=18)
