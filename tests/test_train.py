@@ -483,11 +483,12 @@ def test_data_without_a_held_out_split_is_refused_before_any_download(tmp_path, 
     data.write_text('{"question": "1+1", "answer": "2"}\n')
     for argv, message in ((["--data", str(data)], f"--data {data} is read as a file, whose items are what the run "
                                                   f"trains on: pass --eval-data FILE or a named test set (gsm8k, "
-                                                  f"math500, aime24, amc23, arith, countdown)"),
+                                                  f"math500, aime24, amc23, arith, countdown, countdown-hard)"),
                           (["--data", "bigmath"], "--data bigmath has no test split to evaluate on: pass --eval-data"),
                           (["--data", "gsm8k", "--eval-data", "dapo-math"], "--eval-data dapo-math has no test split"),
-                          (["--data", "math500"], "train on arith, gsm8k, bigmath, bigmath-hard, dapo-math, countdown or a "
-                                                  ".jsonl file, and evaluate on it with --eval-data math500")):
+                          (["--data", "math500"], "train on arith, gsm8k, bigmath, bigmath-hard, dapo-math, countdown, "
+                                                  "countdown-hard or a .jsonl file, and evaluate on it with --eval-data "
+                                                  "math500")):
         with pytest.raises(SystemExit) as e:
             train.main(argv + ["--out", str(tmp_path / "run")])
         assert message in str(e.value), str(e.value)
