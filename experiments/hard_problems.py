@@ -1,6 +1,6 @@
 """experiments/hard_problems.py: the Countdown problems the replication's policy cannot solve yet.
 
-    python experiments/hard_problems.py --out assets/countdown_hard          # a GPU: a minute or two
+    python experiments/hard_problems.py --out assets/countdown_hard          # a GPU: minutes; a CPU core: ~45
     python train.py ... --data countdown-hard --eval-data countdown-hard     # then train and evaluate on them
 
 Why. Three grids of the AQN replication (results/aqn_replication_3) found that on Countdown's problems at
