@@ -280,12 +280,11 @@ class Job:
 
 def task_name(flags):
     data = flags["--eval-data"]
-    import tiny
-    from experiments.calibrate import SUBSETS
+    from data import GENERATED
 
-    if data not in tiny.SYNTHETIC and data not in SUBSETS:
-        raise ValueError(f"--eval-data {data}: the replication's probes and teacher-forced entropy need a synthetic "
-                         f"task or one of its subsets ({', '.join([*tiny.SYNTHETIC, *SUBSETS])})")
+    if data not in GENERATED:
+        raise ValueError(f"--eval-data {data}: the replication's probes and teacher-forced entropy need a generated "
+                         f"set ({', '.join(GENERATED)})")
     return data
 
 

@@ -176,20 +176,16 @@ def solve_tau(logits, target, lo=0.3, hi=3.0, iters=50):
     return (lo + hi) / 2
 
 
-# problem sets of a synthetic task that are not its own draw: name -> the task
-SUBSETS = {"countdown-hard": "countdown"}  # (countdown.load_hard: the problems its policy could not solve)
+def problems(name, n):
+    """The first n held-out problems of a generated set (data.GENERATED: arith, countdown, countdown-hard) and
+    how each is asked: the tiny.SYNTHETIC task of the module that makes it (countdown-hard is Countdown's)."""
+    import importlib
 
-
-def problems(data, n):
-    """The first n held-out problems of a synthetic task (tiny.SYNTHETIC: countdown, arith) or of one of its
-    SUBSETS, and how each is asked."""
-    import countdown
+    import data
     import tiny
 
-    if data in SUBSETS:
-        return tiny.SYNTHETIC[SUBSETS[data]], countdown.load_hard("test", n)
-    syn = tiny.SYNTHETIC[data]
-    return syn, syn.load("test", n, seed=0)
+    module, loader = data.GENERATED[name]
+    return tiny.SYNTHETIC[module], getattr(importlib.import_module(module), loader)("test", n, seed=0)
 
 
 def calibrate(model_dir, data, n, max_new_tokens, device, sigmas=SIGMAS, taus=TAUS, draws=DRAWS, seed=0):
@@ -275,11 +271,13 @@ def teacher_forced_entropy(model_dir, adapter, quant, data, n, device):
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     sub = argv.pop(0) if argv and argv[0] == "entropy" else "calibrate"
+    from data import GENERATED
+
     p = argparse.ArgumentParser(description="Calibrate NVFP4 / AQN / temperature on a policy, or measure a "
                                 "trained run's teacher-forced entropy (`entropy`).")
     p.add_argument("--model", default="assets/countdown", help="the policy (HF folder or alias)")
-    p.add_argument("--data", default="countdown", choices=("countdown", "arith", *SUBSETS), help="the synthetic "
-                   "task, or countdown-hard (countdown.load_hard)")
+    p.add_argument("--data", default="countdown", choices=sorted(GENERATED), help="the generated set (a synthetic "
+                   "task, or countdown-hard: countdown.load_hard)")
     p.add_argument("--prompts", type=int, default=512 if sub == "calibrate" else 128, help="held-out problems")
     p.add_argument("--max-new-tokens", type=int, default=80, help="completion budget of the sampled completions")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")

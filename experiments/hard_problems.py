@@ -89,8 +89,9 @@ def main(argv=None):
             t0 = time.time()
             kept, pass1 = unsolved(model, tokenizer, countdown.load(split, n, seed=0), args.samples,
                                    args.max_new_tokens, args.batch_size)
-            with hub.writing(os.path.join(args.out, f"{split}.jsonl")):
-                write_jsonl(os.path.join(args.out, f"{split}.jsonl"), kept)
+            path = os.path.join(args.out, f"{split}.jsonl")
+            with hub.writing(path):
+                write_jsonl(path, kept)
             summary["splits"][split] = {"candidates": n, "kept": len(kept), "kept_fraction": len(kept) / n,
                                         "pass1_candidates": pass1, "seconds": time.time() - t0}
             print(f"{split}: kept {len(kept)} of {n} problems ({len(kept) / n:.0%}; pass@1 over all {pass1:.3f})")
