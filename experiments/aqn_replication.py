@@ -45,11 +45,13 @@ follows, and each probe problem's right count), then `python eval.py` on the sav
 held-out problems x FINAL_SAMPLES samples at temperature 1), then `python experiments/calibrate.py
 entropy` (teacher-forced entropy on the probe problems' reference solutions). Runs are independent
 subprocesses, --jobs at a time, one CPU thread each (on one GPU with --device cuda in COMMON; --mps lets
-their kernels share it side by side, mps()). A run whose folder holds done.json is skipped; an unfinished
-one starts again from scratch (runs are short; resuming would need the taps' records cut back to the
-checkpoint). After a run its adapter, checkpoint and eval samples are deleted (per-problem counts kept),
-so the work folder stays small enough to carry between device calls; every per-step record stays
-(run/metrics.jsonl, probe.jsonl, heldout.jsonl).
+their kernels share it side by side, mps()). A run whose folder holds done.json is skipped. An unfinished
+training with a checkpoint (train.py writes one every --save-every steps: none in COMMON, where the runs
+were short; --override='--save-every 10' for runs longer than a device call) continues from it with
+train.py's --resume, and the taps cut their records back to the step it resumes at, so such a run finishes
+over several calls on a machine that stays warm; one without a checkpoint starts again from scratch. After a run its adapter, checkpoint and eval samples are deleted (per-problem counts kept), and
+pack() leaves the unfinished runs' checkpoints out, so the work folder stays small enough to carry between
+device calls; every per-step record stays (run/metrics.jsonl, probe.jsonl, heldout.jsonl).
 `keep` archives those records of every finished run (KEEP; small enough to commit, unlike the
 folders) as results/aqn_replication/runs.tar.gz, and `analyze --work` on that archive recomputes pilot.json,
 runs.csv, curves.json, table.md and the plots from it, without the run folders.
@@ -85,6 +87,7 @@ The statement (statement()), computed from the table, never written by hand:
 import argparse
 import contextlib
 import csv
+import glob
 import json
 import math
 import os
@@ -105,6 +108,7 @@ sys.path.insert(0, ROOT)
 
 from experiments.aqn_grid import Stop, fmt_ci, mean_ci, mean_of, num, read_jsonl, run_cmd, sign_flip_p, \
     t_cdf, t_quantile  # noqa: E402
+import runs  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -372,8 +376,9 @@ def finish(job, keep_adapters=False):
 
 
 def run_job(job, stop, procs, keep_adapters=False, late=lambda: False):
-    """Run the job's stages not done yet (an unfinished training starts again from scratch); no training
-    starts once late() (too close to the deadline to finish). A status line."""
+    """Run the job's stages not done yet (an unfinished training continues from its checkpoint, or starts
+    again from scratch without one); no training starts once late() (too close to the deadline to finish).
+    A status line."""
     if done(job.run_dir):
         return "already done"
     t0 = time.time()
@@ -382,12 +387,16 @@ def run_job(job, stop, procs, keep_adapters=False, late=lambda: False):
             continue
         if stop() or (stage == "train" and late()):
             return "not started (stopped)"
-        if stage == "train":
+        log = os.path.join(job.run_dir, f"{stage}.log")
+        if stage == "train" and runs.find_checkpoint(os.path.join(job.run_dir, TRAIN_DIR)):
+            cmd = [*cmd, "--resume", os.path.join(job.run_dir, TRAIN_DIR)]
+            log = os.path.join(job.run_dir, f"{stage}.resumed-{len(glob.glob(log[:-4] + '.resumed-*')) + 1}.log")
+        elif stage == "train":
             shutil.rmtree(job.run_dir, ignore_errors=True)
             os.makedirs(job.run_dir)
-        rc = run_cmd(cmd, os.path.join(job.run_dir, f"{stage}.log"), stop, procs)
+        rc = run_cmd(cmd, log, stop, procs)
         if rc != 0:
-            return f"{stage} {'killed (stopped)' if rc is None else f'FAILED rc={rc}'}: see {job.run_dir}/{stage}.log"
+            return f"{stage} {'killed (stopped)' if rc is None else f'FAILED rc={rc}'}: see {log}"
     finish(job, keep_adapters)
     return f"done in {time.time() - t0:.0f} s"
 
@@ -469,7 +478,8 @@ def tap(argv):
     (logs.step_metrics) and each held-out evaluation's right count per problem (eval.evaluate, which
     eval.heldout calls; these runs are single-process, so its records index the whole held-out set), written
     as RUN/heldout.jsonl lines {"after_steps", "samples", "correct"}: the baseline after 0 steps, the
-    probes after every --eval-every steps, the final one after --steps."""
+    probes after every --eval-every steps, the final one after --steps. With --resume among the flags the
+    file is kept, cut back to the evaluations up to the step the run resumes at (those after it come again)."""
     from experiments import probe
     import eval as ev
     import logs
@@ -479,9 +489,15 @@ def tap(argv):
         train_argv = train_argv[1:]
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, "heldout.jsonl")
-    open(path, "w").close()
+    if "--resume" not in train_argv or not os.path.exists(path):
+        open(path, "w").close()
     state = {"step": None}
-    real_step_metrics, real_evaluate = logs.step_metrics, ev.evaluate
+    real_step_metrics, real_evaluate, real_restore = logs.step_metrics, ev.evaluate, runs.restore
+
+    def restore(*a, **k):
+        resumed = real_restore(*a, **k)  # (step, ...): the steps done
+        runs.truncate_jsonl(path, sum(h["after_steps"] <= resumed[0] for h in read_jsonl(path)))
+        return resumed
 
     def step_metrics(step, *a, **k):
         state["step"] = step
@@ -497,7 +513,7 @@ def tap(argv):
                                 "samples": res["samples"], "correct": correct}) + "\n")
         return res
 
-    logs.step_metrics, ev.evaluate = step_metrics, evaluate
+    logs.step_metrics, ev.evaluate, runs.restore = step_metrics, evaluate, restore
     summary = probe.main([os.path.join(run_dir, "probe.jsonl"), "--", *train_argv])
     if not read_jsonl(path):
         sys.exit(f"aqn_replication.py: no held-out evaluation reached the tap ({path}): train.py no longer calls "
@@ -917,13 +933,19 @@ def unpack_kept(path, into):
 
 def pack(paths, out_dir, name, part_mib=15, root=ROOT):
     """tar.gz of `paths` (folders or files relative to `root`; absent ones left out) split into parts of at
-    most part_mib MiB: out_dir/name.tar.gz.part-00, -01, ... Rebuild in root: `cat name.tar.gz.part-* | tar xzf -`."""
+    most part_mib MiB: out_dir/name.tar.gz.part-00, -01, ... Rebuild in root: `cat name.tar.gz.part-* | tar xzf -`.
+    Unfinished runs' checkpoints (tens of MB each) stay out: they resume a run only on the machine that
+    wrote them, and an unfinished run carried elsewhere starts again from scratch."""
     os.makedirs(out_dir, exist_ok=True)
     whole = os.path.join(out_dir, f"{name}.tar.gz")
+
+    def no_checkpoints(info):
+        return None if os.path.basename(info.name).startswith("checkpoint") and info.isdir() else info
+
     with tarfile.open(whole, "w:gz") as tar:
         for p in paths:
             if os.path.exists(os.path.join(root, p)):
-                tar.add(os.path.join(root, p), arcname=os.path.normpath(p))
+                tar.add(os.path.join(root, p), arcname=os.path.normpath(p), filter=no_checkpoints)
     size, limit, parts = os.path.getsize(whole), int(part_mib * 2**20), []
     with open(whole, "rb") as f:
         for i in range(max(1, math.ceil(size / limit))):
@@ -983,7 +1005,7 @@ def parse_args(argv):
     p.add_argument("--time-limit", type=float, default=None, help="seconds: stop launching, kill the running runs "
                    "(they start again on the next call), then analyze what finished")
     p.add_argument("--min-run-s", type=float, default=150, help="with --time-limit: start no run in the last this "
-                   "many seconds (it could not finish, and a killed run starts over)")
+                   "many seconds (a killed run resumes from its last checkpoint on this machine, else starts over)")
     p.add_argument("--mps", action="store_true", help="pilot/grid: run under CUDA MPS, so the runs' kernels share the "
                    "GPU side by side (about twice the runs an hour on an H100; falls back, saying so, where it cannot start)")
     p.add_argument("--keep-adapters", action="store_true", help="keep each run's adapter and checkpoint")

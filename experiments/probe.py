@@ -20,6 +20,8 @@ taps give that without touching train.py:
 Each line of PROBE.jsonl: {"step", "completions", "sampled_accuracy" (fraction right over every sampled
 completion), "sampler_entropy" (mean -logp a token), "tokens", "rollouts"}. If train.py stops calling
 these through their modules the taps see nothing, and this script fails instead of writing zeros.
+With --resume among the flags, PROBE.jsonl is kept and cut back to the steps the checkpoint holds
+(runs.restore, tapped too), so a resumed run's file reads as one run's.
 """
 import json
 import os
@@ -32,6 +34,7 @@ import torch  # noqa: E402
 
 import logs  # noqa: E402
 import rollout  # noqa: E402
+import runs  # noqa: E402
 import tasks  # noqa: E402
 import train  # noqa: E402
 
@@ -44,10 +47,12 @@ def main(argv=None):
     if train_argv[:1] == ["--"]:
         train_argv = train_argv[1:]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    open(path, "w").close()
+    if "--resume" not in train_argv or not os.path.exists(path):
+        open(path, "w").close()
 
     state = {"in_eval": False, "correct": [], "nll": 0.0, "tokens": 0, "rollouts": 0, "steps": 0}
-    real_generate, real_reward, real_evaluate, real_format = rollout.generate, tasks.reward, train.heldout, logs.line
+    real_generate, real_reward, real_evaluate, real_format, real_restore = rollout.generate, tasks.reward, \
+        train.heldout, logs.line, runs.restore
 
     def generate(*args, **kwargs):
         ro = real_generate(*args, **kwargs)
@@ -82,7 +87,13 @@ def main(argv=None):
         state.update(correct=[], nll=0.0, tokens=0, rollouts=0, steps=state["steps"] + 1)
         return real_format(m)
 
-    rollout.generate, tasks.reward, train.heldout, logs.line = generate, reward, evaluate, format_line
+    def restore(*args, **kwargs):  # a resumed run: keep the lines of the steps its checkpoint holds
+        resumed = real_restore(*args, **kwargs)  # (step, ...)
+        runs.truncate_jsonl(path, resumed[0])
+        return resumed
+
+    rollout.generate, tasks.reward, train.heldout, logs.line, runs.restore = generate, reward, evaluate, \
+        format_line, restore
     summary = train.main(train_argv)
     with open(path) as f:
         recs = [json.loads(line) for line in f]

@@ -339,12 +339,59 @@ def test_readme_blocks_and_pack(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     (src / "big.bin").write_bytes(os.urandom(300_000))  # (random bytes do not compress)
+    for ckpt in ("checkpoint", "checkpoint.old"):  # an unfinished run's: left out, however big
+        (src / "run" / ckpt).mkdir(parents=True)
+        (src / "run" / ckpt / "state.pt").write_bytes(os.urandom(300_000))
+    (src / "run" / "metrics.jsonl").write_text("{}\n")
     parts = rep.pack(["src", "absent"], str(tmp_path / "out"), "x", part_mib=0.1, root=str(tmp_path))
     assert len(parts) == 3 and all(os.path.getsize(p) <= 0.1 * 2**20 for p in parts)
     unpacked = tmp_path / "unpacked"
     unpacked.mkdir()
     subprocess.run(f"cat {' '.join(parts)} | tar xzf - -C {unpacked}", shell=True, check=True)
     assert (unpacked / "src" / "big.bin").read_bytes() == (src / "big.bin").read_bytes()
+    assert os.listdir(unpacked / "src" / "run") == ["metrics.jsonl"]
+
+
+def test_a_cut_run_resumes_from_its_checkpoint_as_if_never_cut(tmp_path):
+    """A run stopped after its checkpoint at step 2 of 4 (its taps' records already past it) continues with
+    train.py --resume: the records are cut back and written again, and equal those of the run never cut
+    (train.py's resume is exact, one CPU thread a run); without a checkpoint it starts from scratch."""
+    override = ("--model tiny --data arith --eval-data arith --device cpu --steps 4 --prompts 2 --group-size 4 "
+                "--max-new-tokens 24 --eval-limit 3 --eval-samples 2 --eval-every 2 --save-every 2")
+    common = rep.common_flags(override, lr=1e-3)
+
+    def job(name):
+        return rep.make_job(name, rep.ARMS[0], 0, 1e-3, rep.flag_list(common) + rep.arm_flags(rep.ARMS[0], None),
+                            common, str(tmp_path), final=False)
+
+    whole, cut = job("whole"), job("cut")
+    stop = rep.Stop(None)
+    assert rep.run_job(whole, stop, set(), keep_adapters=True).startswith("done")
+    # the cut run: the whole run's folder as it stood after a kill during step 4 (checkpoint/ of step 4
+    # gone, checkpoint.old/ of step 2 newest), its taps' records running past it
+    import shutil
+
+    shutil.copytree(whole.run_dir, cut.run_dir)
+    for name in ("done.json", "run/summary.json", "run/adapter", "run/checkpoint"):
+        path = os.path.join(cut.run_dir, name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    assert rep.run_job(cut, stop, set()).startswith("done")
+    assert os.path.exists(os.path.join(cut.run_dir, "train.resumed-1.log"))
+    assert "resumed" in open(os.path.join(cut.run_dir, "train.resumed-1.log")).read()
+    for name in ("probe.jsonl", "heldout.jsonl", "run/metrics.jsonl"):
+        a, b = (rep.read_jsonl(os.path.join(j.run_dir, name)) for j in (whole, cut))
+        drop = ("time", "wall", "_s", "memory")  # (timings and memory differ; what the analysis reads must not)
+        same = [{k: v for k, v in r.items() if not any(d in k for d in drop)} for r in a]
+        assert same == [{k: v for k, v in r.items() if not any(d in k for d in drop)} for r in b], name
+    assert [h["after_steps"] for h in rep.read_jsonl(os.path.join(cut.run_dir, "heldout.jsonl"))] == [0, 2, 4]
+    assert all(m["groups"] > 0 for m in b[2:])  # (the resumed steps trained: the optimizer's state mattered)
+    # no checkpoint: the folder is cleared and the run starts again
+    fresh = job("fresh")
+    os.makedirs(os.path.join(fresh.run_dir, "run"))
+    open(os.path.join(fresh.run_dir, "probe.jsonl"), "w").write('{"stale": 1}\n')
+    assert rep.run_job(fresh, stop, set()).startswith("done")
+    assert not os.path.exists(os.path.join(fresh.run_dir, "train.resumed-1.log"))
+    assert len(rep.read_jsonl(os.path.join(fresh.run_dir, "probe.jsonl"))) == 4
 
 
 # --- the raw records kept in the repository --------------------------------------------------------
