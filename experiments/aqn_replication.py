@@ -25,10 +25,13 @@ The arms (ARMS), DAPO, each a list of train.py flags on top of COMMON, paired on
     5 bf16-tau*     bf16 at tau* (entropy-matched control)      --quant bf16 --no-aqn --temperature tau*
     6 bf16-hot      bf16 hotter (positive control)              --quant bf16 --no-aqn --temperature tau_hot
     7, 8            arms 5 and 6 with the update scoring at T = 1   ... --train-temperature 1
+    9 bf16-g16      bf16, 16 samples a prompt (positive control)    --quant bf16 --no-aqn --group-size 16
 Arms 5 and 6 are the first and second grids' controls: TRL's trainer (and so train.py by default) scores the
 sampled tokens at the sampling temperature, so the trained policy absorbs it. AQN's noise acts on the
 sampler alone; arms 7 and 8 do the same with the temperature (the third grid's controls, --controls 7,8:
-results/aqn_replication_2 says why). The grid runs arms 1-6 unless --arms names others.
+results/aqn_replication_2 says why). Arm 9 explores without changing what the policy samples from: more
+samples a prompt (the fifth grid's positive control, --controls 7,9: results/aqn_replication_4 says why).
+The grid runs arms 1-6 unless --arms names others.
 {sigma_star}, {tau_star}, {tau_hot} come from calibration.json, {lr} from pilot.json (the pilot's rule
 below). Every run logs its sigma; analyze drops (and names) a run whose logged noise contradicts its arm
 (an AQN arm without noise, a no-noise arm with it), so a change of train.py's defaults cannot pass
@@ -49,9 +52,10 @@ their kernels share it side by side, mps()). A run whose folder holds done.json 
 training with a checkpoint (train.py writes one every --save-every steps: none in COMMON, where the runs
 were short; --override='--save-every 10' for runs longer than a device call) continues from it with
 train.py's --resume, and the taps cut their records back to the step it resumes at, so such a run finishes
-over several calls on a machine that stays warm; one without a checkpoint starts again from scratch. After a run its adapter, checkpoint and eval samples are deleted (per-problem counts kept), and
-pack() leaves the unfinished runs' checkpoints out, so the work folder stays small enough to carry between
-device calls; every per-step record stays (run/metrics.jsonl, probe.jsonl, heldout.jsonl).
+over several calls on a machine that stays warm; one without a checkpoint starts again from scratch.
+After a run its adapter, checkpoint and eval samples are deleted (per-problem counts kept), and pack()
+leaves unfinished runs out, so what it packs stays small enough to carry between device calls; every
+per-step record stays (run/metrics.jsonl, probe.jsonl, heldout.jsonl).
 `keep` archives those records of every finished run (KEEP; small enough to commit, unlike the
 folders) as results/aqn_replication/runs.tar.gz, and `analyze --work` on that archive recomputes pilot.json,
 runs.csv, curves.json, table.md and the plots from it, without the run folders.
@@ -137,6 +141,11 @@ ARMS = (
                                                                        "{tau_star}", "--train-temperature", "1"), False),
     Arm(8, "bf16-hot-sampler", "bf16 sampler hotter, trainer at 1 (positive control)",
         ("--quant", "bf16", "--no-aqn", "--temperature", "{tau_hot}", "--train-temperature", "1"), False),
+    # Exploration that does not touch the policy's distribution: twice the samples a prompt, so a group holds a
+    # right answer more often (and the step sees twice the rollouts: compute is not matched). The fifth grid's
+    # positive control (results/aqn_replication_4 says why); its flag comes after COMMON's, so it wins.
+    Arm(9, "bf16-g16", "bf16, 16 samples a prompt (positive control: more discovery)",
+        ("--quant", "bf16", "--no-aqn", "--group-size", "16"), False),
 )
 FIRST_ARMS = (1, 2, 3, 4, 5, 6)  # the grid's arms when --arms is not given (the first design's)
 BASELINE = 1
@@ -934,18 +943,21 @@ def unpack_kept(path, into):
 def pack(paths, out_dir, name, part_mib=15, root=ROOT):
     """tar.gz of `paths` (folders or files relative to `root`; absent ones left out) split into parts of at
     most part_mib MiB: out_dir/name.tar.gz.part-00, -01, ... Rebuild in root: `cat name.tar.gz.part-* | tar xzf -`.
-    Unfinished runs' checkpoints (tens of MB each) stay out: they resume a run only on the machine that
-    wrote them, and an unfinished run carried elsewhere starts again from scratch."""
+    Unfinished runs (a folder with a train.log and no done.json) stay out: their checkpoints and adapters
+    are tens of MB each, they resume only on the machine that wrote them, and carried elsewhere such a run
+    would start again from scratch anyway."""
     os.makedirs(out_dir, exist_ok=True)
     whole = os.path.join(out_dir, f"{name}.tar.gz")
 
-    def no_checkpoints(info):
-        return None if os.path.basename(info.name).startswith("checkpoint") and info.isdir() else info
+    def finished_only(info):
+        path = os.path.join(root, info.name)
+        unfinished = info.isdir() and os.path.exists(os.path.join(path, "train.log")) and not done(path)
+        return None if unfinished else info
 
     with tarfile.open(whole, "w:gz") as tar:
         for p in paths:
             if os.path.exists(os.path.join(root, p)):
-                tar.add(os.path.join(root, p), arcname=os.path.normpath(p), filter=no_checkpoints)
+                tar.add(os.path.join(root, p), arcname=os.path.normpath(p), filter=finished_only)
     size, limit, parts = os.path.getsize(whole), int(part_mib * 2**20), []
     with open(whole, "rb") as f:
         for i in range(max(1, math.ceil(size / limit))):

@@ -150,7 +150,8 @@ def test_dry_run_before_calibration_shows_placeholders(tmp_path, capsys):
 
 def test_sampler_only_controls_and_bad_arm_numbers(tmp_path, capsys):
     """Arms 7 and 8 are arms 5 and 6 with the update scoring at T = 1 (the temperature on the sampler alone, as
-    AQN's noise); they run only when named, and unknown arm numbers are refused before anything runs."""
+    AQN's noise); arm 9 samples 16 a prompt; they run only when named, and unknown arm numbers are refused
+    before anything runs."""
     (tmp_path / "calibration.json").write_text(json.dumps(CAL))
     jobs = rep.main(["grid", "--dry-run", "--out", str(tmp_path), "--work", str(tmp_path / "w"), "--seeds", "1",
                      "--arms", "5,6,7,8", "--override=--lr 5e-4"])
@@ -159,8 +160,15 @@ def test_sampler_only_controls_and_bad_arm_numbers(tmp_path, capsys):
         assert flag(train[sampler_only], "--temperature") == flag(train[both], "--temperature")
         assert flag(train[sampler_only], "--train-temperature") == "1" and "--train-temperature" not in train[both]
     assert len({j.run_dir for j in jobs}) == 4  # their own folders: a work folder can hold both designs
-    with pytest.raises(SystemExit, match="no arm 9"):
-        rep.main(["grid", "--dry-run", "--out", str(tmp_path), "--work", str(tmp_path / "w"), "--arms", "1,9"])
+    # arm 9: arm 1 with 16 samples a prompt; its --group-size comes after COMMON's 8, so train.py takes it
+    g16 = rep.main(["grid", "--dry-run", "--out", str(tmp_path), "--work", str(tmp_path / "w"), "--seeds", "1",
+                    "--arms", "9", "--override=--lr 5e-4"])[0].stages[0][1]
+    import recipes
+
+    parsed = recipes.parse(g16[g16.index("--") + 1:])  # (train.py's own reading of the run's flags)
+    assert parsed.group_size == 16 and parsed.quant == "bf16" and not parsed.aqn
+    with pytest.raises(SystemExit, match="no arm 12"):
+        rep.main(["grid", "--dry-run", "--out", str(tmp_path), "--work", str(tmp_path / "w"), "--arms", "1,12"])
     with pytest.raises(SystemExit):
         rep.parse_args(["analyze", "--controls", "5"])
     assert "give two arm numbers" in capsys.readouterr().err
@@ -339,17 +347,18 @@ def test_readme_blocks_and_pack(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     (src / "big.bin").write_bytes(os.urandom(300_000))  # (random bytes do not compress)
-    for ckpt in ("checkpoint", "checkpoint.old"):  # an unfinished run's: left out, however big
-        (src / "run" / ckpt).mkdir(parents=True)
-        (src / "run" / ckpt / "state.pt").write_bytes(os.urandom(300_000))
-    (src / "run" / "metrics.jsonl").write_text("{}\n")
+    for run in ("finished", "unfinished"):  # the unfinished run is left out, however big
+        (src / run / "run" / "checkpoint").mkdir(parents=True)
+        (src / run / "train.log").write_text("")
+    (src / "unfinished" / "run" / "checkpoint" / "state.pt").write_bytes(os.urandom(300_000))
+    (src / "finished" / "done.json").write_text("{}")
     parts = rep.pack(["src", "absent"], str(tmp_path / "out"), "x", part_mib=0.1, root=str(tmp_path))
     assert len(parts) == 3 and all(os.path.getsize(p) <= 0.1 * 2**20 for p in parts)
     unpacked = tmp_path / "unpacked"
     unpacked.mkdir()
     subprocess.run(f"cat {' '.join(parts)} | tar xzf - -C {unpacked}", shell=True, check=True)
     assert (unpacked / "src" / "big.bin").read_bytes() == (src / "big.bin").read_bytes()
-    assert os.listdir(unpacked / "src" / "run") == ["metrics.jsonl"]
+    assert sorted(os.listdir(unpacked / "src")) == ["big.bin", "finished"]
 
 
 def test_a_cut_run_resumes_from_its_checkpoint_as_if_never_cut(tmp_path):
