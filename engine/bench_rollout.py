@@ -223,6 +223,24 @@ def floor_ms(weight_bytes, kv_token_bytes, kv_tokens, copy_tb_s):
     return (weight_bytes + kv_tokens * kv_token_bytes) / copy_tb_s / 1e9
 
 
+# The profile's kernel groups that read weights or the cache (step_reads sets them against those reads);
+# kernel_group names the rest too.
+FP4_GEMM, K_ORDER, LORA_A, LORA_B = "fp4 gemm", "fp4 gemm: x in K order", "LoRA A (small_linear)", "LoRA B"
+CUBLAS, ATTENTION = "cuBLAS (lm_head, LoRA, bf16 base)", "attention"
+
+
+def kernel_group(k):
+    """The profile group of the GPU kernel named `k`."""
+    return (FP4_GEMM if k.startswith(("_mma_kernel", "_wgmma_kernel", "_wgmma_ws_kernel", "_gemv_kernel",
+                                      "_tiled_kernel", "_splitk_reduce", "_dequant_kernel")) else
+            K_ORDER if k.startswith("_k_order_kernel") else
+            LORA_A if k.startswith("_small_kernel") else
+            ATTENTION if "_attn_" in k else "rope+write" if "rope" in k else "silu_mul" if "silu" in k else
+            "add_rmsnorm" if "rmsnorm" in k else "sampler" if "sample" in k else LORA_B if "lora_b" in k else
+            CUBLAS if "gemm" in k.lower() or "gemv" in k.lower() or "cutlass" in k or "sm90" in k or "xmma" in k else
+            "cuBLAS split-K reduces" if "splitKreduce" in k else "other: " + k[:40])
+
+
 def step_reads(model, batch, columns):
     """What one decode step of `batch` rows at `columns` cache columns must read, in three parts, each with
     the profile groups whose kernels read it: {part: (bytes, groups)}. The rest of a step's kernels (norms,
@@ -231,10 +249,9 @@ def step_reads(model, batch, columns):
                 for t in mod.buffers())
     dense = step_bytes(model) - quant  # lm_head, LoRA, a bf16 base's linears (and the norms' few KB)
     kv = batch * columns * memory.kv_bytes_per_token(model.config, model.dtype)
-    return {"NVFP4 weights": (quant, ("fp4 gemm", "fp4 gemm: x in K order")),
-            "16-bit weights (lm_head, LoRA, a bf16 base, norms)": (dense, ("cuBLAS (lm_head, LoRA, bf16 base)",
-                                                                    "LoRA A (small_linear)", "LoRA B")),
-            f"KV cache ({batch} x {columns} columns)": (kv, ("attention",))}
+    return {"NVFP4 weights": (quant, (FP4_GEMM, K_ORDER)),
+            "16-bit weights (lm_head, LoRA, a bf16 base, norms)": (dense, (CUBLAS, LORA_A, LORA_B)),
+            f"KV cache ({batch} x {columns} columns)": (kv, (ATTENTION,))}
 
 
 def against_reads(groups, reads, copy_tb_s):
@@ -277,17 +294,7 @@ def _profile(model, batch, prompt_len, steps=4, copy_tb_s=None):
         t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
         if t <= 0 or e.key.startswith(("Memcpy", "Memset")) or "aten::" in e.key:
             continue
-        k = e.key
-        name = ("fp4 gemm" if k.startswith(("_mma_kernel", "_wgmma_kernel", "_wgmma_ws_kernel", "_gemv_kernel",
-                                            "_tiled_kernel", "_splitk_reduce", "_dequant_kernel")) else
-                "fp4 gemm: x in K order" if k.startswith("_k_order_kernel") else
-                "LoRA A (small_linear)" if k.startswith("_small_kernel") else
-                "attention" if "_attn_" in k else "rope+write" if "rope" in k else "silu_mul" if "silu" in k else
-                "add_rmsnorm" if "rmsnorm" in k else "sampler" if "sample" in k else "LoRA B" if "lora_b" in k else
-                "cuBLAS (lm_head, LoRA, bf16 base)" if "gemm" in k.lower() or "gemv" in k.lower() or "cutlass" in k
-                or "sm90" in k or "xmma" in k else "cuBLAS split-K reduces" if "splitKreduce" in k
-                else "other: " + k[:40])
-        g = groups.setdefault(name, [0.0, 0])
+        g = groups.setdefault(kernel_group(e.key), [0.0, 0])
         g[0] += t / steps / 1e3
         g[1] += e.count / steps
     total = sum(v[0] for v in groups.values())

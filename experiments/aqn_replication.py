@@ -447,6 +447,10 @@ def mps(enabled):
     for d in env.values():
         os.makedirs(d)
     with_env = dict(os.environ, **env)
+
+    def quit_daemon():
+        subprocess.run([exe], input="quit\n", env=with_env, text=True, capture_output=True)
+
     started = subprocess.run([exe, "-d"], env=with_env, capture_output=True, text=True).returncode == 0
     try:
         client = started and subprocess.run([sys.executable, "-c", "import torch; torch.ones(8, device='cuda').sum()"
@@ -454,7 +458,7 @@ def mps(enabled):
     except subprocess.TimeoutExpired:
         client = False
     if started and not client:
-        subprocess.run([exe], input="quit\n", env=with_env, text=True, capture_output=True)
+        quit_daemon()
     if not client:
         print(f"--mps: the daemon {'started but a CUDA client failed' if started else 'did not start'}; the runs "
               f"time-slice the GPU", flush=True)
@@ -466,7 +470,7 @@ def mps(enabled):
         with mock.patch.dict(os.environ, env):
             yield True
     finally:
-        subprocess.run([exe], input="quit\n", env=with_env, text=True, capture_output=True)
+        quit_daemon()
         shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -127,6 +127,12 @@ def test_a_profile_is_set_against_its_reads():
         x.weight_global_scale.numel() * 4 for x in m.modules() if isinstance(x, fp4_gemm.QuantLinear))
     assert quant + dense == bench_rollout.step_bytes(m) and dense > 97 * 64 * 2  # lm_head and LoRA
     assert kv == 3 * 10 * 2 * 2 * 2 * 16 * 2 and attn == ("attention",)
+    # every group a part names is one the profile's classifier gives the engine's kernels (and cuBLAS's)
+    kernels = ("_mma_kernel", "_wgmma_ws_kernel", "_k_order_kernel", "_small_kernel", "_lora_b_kernel",
+               "_attn_partial_kernel", "sm90_xmma_gemm_bf16bf16_bf16f32", "_add_rmsnorm_kernel")
+    named = {g for _, gs in reads.values() for g in gs}
+    assert named <= {bench_rollout.kernel_group(k) for k in kernels}
+    assert bench_rollout.kernel_group("_add_rmsnorm_kernel") == "add_rmsnorm"
     groups = {"fp4 gemm": 2.0, "attention": 0.5, "LoRA B": 0.25, "cuBLAS (lm_head, LoRA, bf16 base)": 0.75,
               "silu_mul": 0.2, "add_rmsnorm": 0.1}
     reads = {"w": (2e9, ("fp4 gemm", "fp4 gemm: x in K order")),
