@@ -57,6 +57,18 @@ def write_jsonl(path, records):
     os.replace(tmp, path)
 
 
+
+def device_name(device):
+    """The GPU's name, or the CPU's model (Linux's /proc/cpuinfo; platform.processor() elsewhere, where it is
+    not empty), for selection.json's record of what made the selection."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "cpu"
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="Pick the Countdown problems the policy solves in none of its samples.")
     p.add_argument("--model", default="assets/countdown", help="the policy (HF folder or alias)")
@@ -79,7 +91,7 @@ def main(argv=None):
     summary = {"command": "python experiments/hard_problems.py " + " ".join(sys.argv[1:] if argv is None else argv),
                "model": args.model, "samples": args.samples, "max_new_tokens": args.max_new_tokens,
                "temperature": 1.0, "quant": "bf16", "sampling_seed": 0,
-               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+               "device": device_name(device),
                "torch": torch.__version__, "splits": {}}
     with hub.stop_on_bad_input("hard_problems.py"):
         hub.resolve_model_dir(args.model)

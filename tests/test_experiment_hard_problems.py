@@ -2,8 +2,10 @@
 problems are written where countdown.load_hard and `--data countdown-hard` read them, with the selection's
 record; load_hard refuses what it cannot give."""
 import json
+import os
 
 import pytest
+import torch
 
 import countdown
 import data
@@ -40,6 +42,9 @@ def test_the_kept_problems_are_what_countdown_hard_reads(tmp_path, monkeypatch):
         assert countdown.load_hard(split, folder=out) == kept
     record = json.loads((out / "selection.json").read_text())
     assert record["samples"] == 2 and record["splits"]["test"]["candidates"] == 4 and "--train 6" in record["command"]
+    assert record["device"] == hard_problems.device_name(torch.device("cpu")) != ""
+    if os.path.exists("/proc/cpuinfo") and "model name" in open("/proc/cpuinfo").read():  # (Linux names its CPU)
+        assert record["device"] in open("/proc/cpuinfo").read()
     monkeypatch.setattr(countdown, "HARD_DIR", out)
     test = countdown.load_hard("test")
     assert [r["question"] for r in data.load_dataset("countdown-hard", "test")] == [r["question"] for r in test]
