@@ -411,8 +411,8 @@ def run_job(job, stop, procs, keep_adapters=False, late=lambda: False):
 
 
 def run_all(jobs, n_jobs, deadline, keep_adapters=False, min_run_s=0.0):
-    """Run the jobs not done, n_jobs at a time; at the deadline the running ones are killed (they start
-    again on the next call), and no run starts in the last min_run_s seconds before it."""
+    """Run the jobs not done, n_jobs at a time; at the deadline the running ones are killed (the next call
+    continues them: run_job), and no run starts in the last min_run_s seconds before it."""
     todo = [j for j in jobs if not done(j.run_dir)]
     print(f"{len(jobs)} runs, {len(jobs) - len(todo)} already done, {len(todo)} to run, {n_jobs} at a time", flush=True)
     stop, procs = Stop(deadline), set()
@@ -424,7 +424,7 @@ def run_all(jobs, n_jobs, deadline, keep_adapters=False, min_run_s=0.0):
                 print(f"[{i + 1}/{len(todo)}] {futures[fut].name}: {fut.result()}", flush=True)
         except KeyboardInterrupt:  # the runs are in their own process groups: Ctrl-C reaches only us
             stop.event.set()
-            print("stopping: killing the running runs (they start again on the next call)", flush=True)
+            print("stopping: killing the running runs (the next call continues them)", flush=True)
             raise
 
 
@@ -1019,7 +1019,8 @@ def parse_args(argv):
     p.add_argument("--final-items", type=int, default=FINAL_ITEMS, help="eval.py held-out problems a run")
     p.add_argument("--final-samples", type=int, default=FINAL_SAMPLES, help="eval.py samples a problem")
     p.add_argument("--time-limit", type=float, default=None, help="seconds: stop launching, kill the running runs "
-                   "(they start again on the next call), then analyze what finished")
+                   "(the next call continues them: from their last checkpoint on this machine, else from scratch), "
+                   "then analyze what finished")
     p.add_argument("--min-run-s", type=float, default=150, help="with --time-limit: start no run in the last this "
                    "many seconds (a killed run resumes from its last checkpoint on this machine, else starts over)")
     p.add_argument("--mps", action="store_true", help="pilot/grid: run under CUDA MPS, so the runs' kernels share the "

@@ -57,7 +57,6 @@ def write_jsonl(path, records):
     os.replace(tmp, path)
 
 
-
 def device_name(device):
     """The GPU's name, or the CPU's model (Linux's /proc/cpuinfo; platform.processor() elsewhere, where it is
     not empty), for selection.json's record of what made the selection."""
@@ -68,6 +67,7 @@ def device_name(device):
             return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         return platform.processor() or "cpu"
+
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="Pick the Countdown problems the policy solves in none of its samples.")
