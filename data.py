@@ -124,6 +124,13 @@ DATASETS = {
 GENERATED = {"arith": ("arith", "load"), "countdown": ("countdown", "load"), "countdown-hard": ("countdown", "load_hard")}
 
 
+def generated_rows(name, split, n=None):
+    """The first n (None: all) raw records of a generated set's split, as its module's loader returns them
+    (load_dataset normalizes them; experiments/calibrate.py keeps their reference solutions)."""
+    module, loader = GENERATED[name]
+    return getattr(importlib.import_module(module), loader)(split, n=n)
+
+
 def default_data_dir():
     return Path(os.environ.get("QERL_DATA") or Path.home() / ".cache" / "qerl" / "data")
 
@@ -300,9 +307,7 @@ def load_dataset(name_or_path, split="test", limit=None, data_dir=None):
     if name in DATASETS:
         kind, source = DATASETS[name]
         if source is None:  # arith and countdown: generated, deterministic, nothing to cache
-            module, loader = GENERATED[name]
-            rows = getattr(importlib.import_module(module), loader)(split, n=limit)
-            return [_normalize(r, kind) for r in rows]
+            return [_normalize(r, kind) for r in generated_rows(name, split, limit)]
         if split not in source.splits:
             raise ValueError(f"dataset {name!r} has splits {sorted(source.splits)}, not {split!r}")
         path = dataset_path(name, split, data_dir)

@@ -179,13 +179,10 @@ def solve_tau(logits, target, lo=0.3, hi=3.0, iters=50):
 def problems(name, n):
     """The first n held-out problems of a generated set (data.GENERATED: arith, countdown, countdown-hard) and
     how each is asked: the tiny.SYNTHETIC task of the module that makes it (countdown-hard is Countdown's)."""
-    import importlib
-
     import data
     import tiny
 
-    module, loader = data.GENERATED[name]
-    return tiny.SYNTHETIC[module], getattr(importlib.import_module(module), loader)("test", n, seed=0)
+    return tiny.SYNTHETIC[data.GENERATED[name][0]], data.generated_rows(name, "test", n)
 
 
 def calibrate(model_dir, data, n, max_new_tokens, device, sigmas=SIGMAS, taus=TAUS, draws=DRAWS, seed=0):
