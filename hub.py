@@ -461,15 +461,20 @@ def check_tensor(t, name, path, shape=None, dtype=None):
     return t
 
 
-def write_json(path, obj):
-    """Write JSON atomically: a reader (or a crash) sees the old file or the new, never half of one; a write
-    that fails (a full disk) leaves no temporary file."""
+def write_text(path, text):
+    """Write a text file atomically: a reader (or a crash) sees the old file or the new, never half of one; a
+    write that fails (a full disk) leaves no temporary file."""
     tmp = f"{path}.tmp"
     try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=2)
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
+
+
+def write_json(path, obj):
+    """Write JSON atomically (write_text)."""
+    write_text(path, json.dumps(obj, indent=2))

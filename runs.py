@@ -343,9 +343,7 @@ def truncate_jsonl(path, keep):
         return
     with open(path) as f:
         lines = f.readlines()[:keep]
-    with open(path + ".tmp", "w") as f:
-        f.writelines(lines)
-    os.replace(path + ".tmp", path)
+    hub.write_text(path, "".join(lines))
 
 
 def write_summary(out, summary):

@@ -48,15 +48,6 @@ def unsolved(model, tokenizer, items, samples, max_new_tokens, batch_size, seed=
     return [it for it, c in zip(items, right) if c == 0], sum(right) / (len(items) * samples)
 
 
-def write_jsonl(path, records):
-    """One JSON object a line, atomically (a crash leaves the old file or none, never half of one)."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
-    os.replace(tmp, path)
-
-
 def device_name(device):
     """The GPU's name, or the CPU's model (Linux's /proc/cpuinfo; platform.processor() elsewhere, where it is
     not empty), for selection.json's record of what made the selection."""
@@ -102,8 +93,8 @@ def main(argv=None):
             kept, pass1 = unsolved(model, tokenizer, countdown.load(split, n, seed=0), args.samples,
                                    args.max_new_tokens, args.batch_size)
             path = os.path.join(args.out, f"{split}.jsonl")
-            with hub.writing(path):
-                write_jsonl(path, kept)
+            with hub.writing(path):  # (one JSON object a line, atomically)
+                hub.write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
             summary["splits"][split] = {"candidates": n, "kept": len(kept), "kept_fraction": len(kept) / n,
                                         "pass1_candidates": pass1, "seconds": time.time() - t0}
             print(f"{split}: kept {len(kept)} of {n} problems ({len(kept) / n:.0%}; pass@1 over all {pass1:.3f})")
