@@ -121,7 +121,8 @@ DATASETS = {
     "countdown-hard": ("countdown", None),
 }
 # the generated sets: name -> (module, its loader, called as loader(split, n=limit))
-GENERATED = {"arith": ("arith", "load"), "countdown": ("countdown", "load"), "countdown-hard": ("countdown", "load_hard")}
+GENERATED = {"arith": ("arith", "load"), "countdown": ("countdown", "load"),
+             "countdown-hard": ("countdown", "load_hard")}
 
 
 def generated_rows(name, split, n=None):

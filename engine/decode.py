@@ -739,10 +739,11 @@ class Decoder:
         stats = dict(kernels="triton" if self.triton else "torch", graphs=False, capture_s=0.0, rows=N,
                      prefill_rows=P, prompt_len=Lp, cache_columns=S)
         graph = None
+        compacts = bool(sp.stop_ids) and compact and stream is None  # whether rows move into smaller states
         if self.graphs:
             if key not in st.graphs:
                 stats["capture_s"] = self.capture(st, sp, key)
-            if sp.stop_ids and compact and stream is None and max_new_tokens - 1 - check_every >= check_every:
+            if compacts and max_new_tokens - 1 - check_every >= check_every:  # (a shrink can come: the loop's test)
                 # and the smaller states that shrink may move the rows into (1, 2, 4, ... N / 2 rows): a graph
                 # first needed mid-rollout would compile the GEMM kernels of its row count while the rollout
                 # waits, in whichever call first passes through that count, not only the first call
@@ -787,7 +788,7 @@ class Decoder:
                 done = st.done.bool().cpu()
                 if bool(done.all()):
                     break
-                if compact and stream is None and max_new_tokens - 1 - t >= check_every:
+                if compacts and max_new_tokens - 1 - t >= check_every:
                     now = time.perf_counter()  # (the device has caught up: done was read)
                     smaller = self.shrink(root, st, order, done, Lp + t)
                     if smaller is not st:
