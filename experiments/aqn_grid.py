@@ -131,7 +131,10 @@ def mean_ci(x, level=0.95):
     return m, m - half, m + half
 
 
-def sign_flip_p(d, exact_max=16, draws=200_000, seed=0):
+SIGN_FLIP_EXACT_MAX, SIGN_FLIP_DRAWS = 16, 200_000  # sign_flip_p: exact up to this many pairs, else this many draws
+
+
+def sign_flip_p(d, exact_max=SIGN_FLIP_EXACT_MAX, draws=SIGN_FLIP_DRAWS, seed=0):
     """Two-sided p-value of the paired sign-flip permutation test of mean(d) = 0: the fraction of sign
     patterns whose |mean| is at least the observed one. Exact over all 2^n patterns up to n = exact_max,
     Monte Carlo (with the observed pattern counted) beyond."""

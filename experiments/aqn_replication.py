@@ -110,8 +110,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from experiments.aqn_grid import Stop, fmt_ci, mean_ci, mean_of, num, read_jsonl, run_cmd, sign_flip_p, \
-    t_cdf, t_quantile  # noqa: E402
+from experiments.aqn_grid import SIGN_FLIP_DRAWS, SIGN_FLIP_EXACT_MAX, Stop, fmt_ci, mean_ci, mean_of, num, \
+    read_jsonl, run_cmd, sign_flip_p, t_cdf, t_quantile  # noqa: E402
 import runs  # noqa: E402
 
 
@@ -737,14 +737,14 @@ def table_md(res, settings, dropped):
         e = res["arms"][a]
         lines.append(f"| {a} {arm_by[a].label} | {e['n']} | " + " | ".join(fmt_ci(*e[k]) for k in keys) + " |")
     pairs = max((c["n"] for cs in res["contrasts"].values() for c in cs.values()), default=0)
-    exact = pairs <= 16  # aqn_grid.sign_flip_p: every sign pattern up to 16 pairs, 200,000 drawn beyond
+    exact = pairs <= SIGN_FLIP_EXACT_MAX  # (sign_flip_p's rule)
     lines += ["", "## Planned contrasts (paired on seed)", "",
               f"Each cell: mean difference [95% t-interval], {'exact ' if exact else ''}sign-flip p; primaries also "
               f"Holm-adjusted p over the four contrasts (each primary its own family), TOST p (margins {MARGIN}) and the "
               f"difference detectable with 80% power at alpha {ALPHA}/{len(CONTRASTS)} given the observed spread. "
               + ("The smallest sign-flip p with n pairs is 2/2^n." if exact else
-                 "With more than 16 pairs the sign-flip p is estimated from 200,000 random sign patterns, so the "
-                 "smallest it can show is 5e-06."), "",
+                 f"With more than {SIGN_FLIP_EXACT_MAX} pairs the sign-flip p is estimated from {SIGN_FLIP_DRAWS:,} "
+                 f"random sign patterns, so the smallest it can show is {1 / (SIGN_FLIP_DRAWS + 1):.0e}."), "",
               "| contrast | pairs | " + " | ".join(LABELS.get(k, k) for k in keys) + " |", sep]
     for (a, b), cs in res["contrasts"].items():
         cells = []
