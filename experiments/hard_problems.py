@@ -3,11 +3,11 @@
     python experiments/hard_problems.py --out assets/countdown_hard          # a GPU: minutes; a CPU core: ~45
     python train.py ... --data countdown-hard --eval-data countdown-hard     # then train and evaluate on them
 
-Why. Three grids of the AQN replication (results/aqn_replication_3) found that on Countdown's problems at
-large the policy learns at its own rate, not at the rate it finds solutions: at pass@1 0.1-0.2 most groups
-of 8 samples already hold a right answer, and sampling hotter only hurt. Exploration can matter only where
-a group of samples usually holds no right answer. The fourth grid (fixed in that README before it runs)
-therefore trains and evaluates on the problems that the policy solved in none of SAMPLES samples before RL.
+Why. On Countdown's problems at large the replication's policy learns at its own rate, not at the rate it
+finds solutions: at pass@1 0.1-0.2 most groups of 8 samples already hold a right answer
+(results/aqn_replication_3). Exploration can matter only where a group of samples usually holds no right
+answer, so the replication also trains and evaluates on the problems that the policy solved in none of
+SAMPLES samples before RL (results/aqn_replication_4).
 
 What it does. For each split, the first CANDIDATES[split] problems of countdown.load(split) (seed 0) are
 each sampled SAMPLES times by the policy (its bf16 weights, no adapter, temperature 1, top-p 1,
