@@ -48,7 +48,8 @@ follows, and each probe problem's right count), then `python eval.py` on the sav
 held-out problems x FINAL_SAMPLES samples at temperature 1), then `python experiments/calibrate.py
 entropy` (teacher-forced entropy on the probe problems' reference solutions). Runs are independent
 subprocesses, --jobs at a time, one CPU thread each (on one GPU with --device cuda in COMMON; --mps lets
-their kernels share it side by side, mps()). A run whose folder holds done.json is skipped. An unfinished
+their kernels share it side by side, mps(); a run that fails for want of GPU memory runs again after the
+others, fewer at a time: run_all). A run whose folder holds done.json is skipped. An unfinished
 training with a checkpoint (train.py writes one every --save-every steps: none in COMMON, where the runs
 were short; --override='--save-every 10' for runs longer than a device call) continues from it with
 train.py's --resume, and the taps cut their records back to the step it resumes at, so such a run finishes
@@ -384,18 +385,34 @@ def finish(job, keep_adapters=False):
         json.dump({"stages": [s for s, _ in job.stages], "seed": job.seed, "lr": job.lr}, f)
 
 
+# what a stage's log ends with when the GPU ran out of memory: a run among too many sharing one card
+OUT_OF_MEMORY = ("CUDA out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDA_ERROR_OUT_OF_MEMORY",
+                 "CUDA error: out of memory")
+
+
+def ran_out_of_memory(log, tail_bytes=8192):
+    """Whether a failed stage's log ends in the GPU running out of memory (not a fault of the run's own)."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, os.path.getsize(log) - tail_bytes))
+            tail = f.read().decode(errors="replace")
+    except OSError:
+        return False
+    return any(s in tail for s in OUT_OF_MEMORY)
+
+
 def run_job(job, stop, procs, keep_adapters=False, late=lambda: False):
     """Run the job's stages not done yet (an unfinished training continues from its checkpoint, or starts
     again from scratch without one); no training starts once late() (too close to the deadline to finish).
-    A status line."""
+    Returns (a status line, whether a stage failed for want of GPU memory)."""
     if done(job.run_dir):
-        return "already done"
+        return "already done", False
     t0 = time.time()
     for stage, cmd in job.stages:
         if stage_done(job, stage):
             continue
         if stop() or (stage == "train" and late()):
-            return "not started (stopped)"
+            return "not started (stopped)", False
         log = os.path.join(job.run_dir, f"{stage}.log")
         if stage == "train" and runs.find_checkpoint(os.path.join(job.run_dir, TRAIN_DIR)):
             cmd = [*cmd, "--resume", os.path.join(job.run_dir, TRAIN_DIR)]
@@ -404,28 +421,43 @@ def run_job(job, stop, procs, keep_adapters=False, late=lambda: False):
             shutil.rmtree(job.run_dir, ignore_errors=True)
             os.makedirs(job.run_dir)
         rc = run_cmd(cmd, log, stop, procs)
+        if rc is None:
+            return f"{stage} killed (stopped): see {log}", False
         if rc != 0:
-            return f"{stage} {'killed (stopped)' if rc is None else f'FAILED rc={rc}'}: see {log}"
+            oom = ran_out_of_memory(log)
+            return f"{stage} FAILED rc={rc}{' (out of GPU memory)' if oom else ''}: see {log}", oom
     finish(job, keep_adapters)
-    return f"done in {time.time() - t0:.0f} s"
+    return f"done in {time.time() - t0:.0f} s", False
 
 
 def run_all(jobs, n_jobs, deadline, keep_adapters=False, min_run_s=0.0):
     """Run the jobs not done, n_jobs at a time; at the deadline the running ones are killed (the next call
-    continues them: run_job), and no run starts in the last min_run_s seconds before it."""
+    continues them: run_job), and no run starts in the last min_run_s seconds before it. Runs that fail for
+    want of GPU memory (too many sharing the card) run again once the others are through, half as many
+    at a time, until one at a time."""
     todo = [j for j in jobs if not done(j.run_dir)]
     print(f"{len(jobs)} runs, {len(jobs) - len(todo)} already done, {len(todo)} to run, {n_jobs} at a time", flush=True)
     stop, procs = Stop(deadline), set()
     late = Stop(None if deadline is None else deadline - min_run_s)
-    with ThreadPoolExecutor(max_workers=n_jobs) as pool:
-        futures = {pool.submit(run_job, j, stop, procs, keep_adapters, late): j for j in todo}
-        try:
-            for i, fut in enumerate(as_completed(futures)):
-                print(f"[{i + 1}/{len(todo)}] {futures[fut].name}: {fut.result()}", flush=True)
-        except KeyboardInterrupt:  # the runs are in their own process groups: Ctrl-C reaches only us
-            stop.event.set()
-            print("stopping: killing the running runs (the next call continues them)", flush=True)
-            raise
+    while todo:
+        again = []
+        with ThreadPoolExecutor(max_workers=n_jobs) as pool:
+            futures = {pool.submit(run_job, j, stop, procs, keep_adapters, late): j for j in todo}
+            try:
+                for i, fut in enumerate(as_completed(futures)):
+                    line, out_of_memory = fut.result()
+                    print(f"[{i + 1}/{len(todo)}] {futures[fut].name}: {line}", flush=True)
+                    if out_of_memory:
+                        again.append(futures[fut])
+            except KeyboardInterrupt:  # the runs are in their own process groups: Ctrl-C reaches only us
+                stop.event.set()
+                print("stopping: killing the running runs (the next call continues them)", flush=True)
+                raise
+        if not again or n_jobs == 1 or stop():
+            return
+        n_jobs = max(1, n_jobs // 2)
+        print(f"{len(again)} run(s) ran out of GPU memory: running them again, {n_jobs} at a time", flush=True)
+        todo = sorted(again, key=jobs.index)
 
 
 @contextlib.contextmanager

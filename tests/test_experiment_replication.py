@@ -375,7 +375,7 @@ def test_a_cut_run_resumes_from_its_checkpoint_as_if_never_cut(tmp_path):
 
     whole, cut = job("whole"), job("cut")
     stop = rep.Stop(None)
-    assert rep.run_job(whole, stop, set(), keep_adapters=True).startswith("done")
+    assert rep.run_job(whole, stop, set(), keep_adapters=True)[0].startswith("done")
     # the cut run: the whole run's folder as it stood after a kill during step 4 (checkpoint/ of step 4
     # gone, checkpoint.old/ of step 2 newest), its taps' records running past it
     import shutil
@@ -384,7 +384,7 @@ def test_a_cut_run_resumes_from_its_checkpoint_as_if_never_cut(tmp_path):
     for name in ("done.json", "run/summary.json", "run/adapter", "run/checkpoint"):
         path = os.path.join(cut.run_dir, name)
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-    assert rep.run_job(cut, stop, set()).startswith("done")
+    assert rep.run_job(cut, stop, set())[0].startswith("done")
     assert os.path.exists(os.path.join(cut.run_dir, "train.resumed-1.log"))
     assert "resumed" in open(os.path.join(cut.run_dir, "train.resumed-1.log")).read()
     for name in ("probe.jsonl", "heldout.jsonl", "run/metrics.jsonl"):
@@ -398,12 +398,40 @@ def test_a_cut_run_resumes_from_its_checkpoint_as_if_never_cut(tmp_path):
     fresh = job("fresh")
     os.makedirs(os.path.join(fresh.run_dir, "run"))
     open(os.path.join(fresh.run_dir, "probe.jsonl"), "w").write('{"stale": 1}\n')
-    assert rep.run_job(fresh, stop, set()).startswith("done")
+    assert rep.run_job(fresh, stop, set())[0].startswith("done")
     assert not os.path.exists(os.path.join(fresh.run_dir, "train.resumed-1.log"))
     assert len(rep.read_jsonl(os.path.join(fresh.run_dir, "probe.jsonl"))) == 4
 
 
 # --- the raw records kept in the repository --------------------------------------------------------
+
+def test_runs_out_of_gpu_memory_run_again_fewer_at_a_time(tmp_path, capsys):
+    """A run whose training fails for want of GPU memory (too many sharing one card) runs again after the
+    others, half as many at a time, until one at a time; a run failing for a reason of its own does not."""
+    tries = tmp_path / "tries"
+    tries.mkdir()
+    script = ("import os, sys; name, ooms, run = sys.argv[1], int(sys.argv[2]), sys.argv[3]\n"
+              f"log = os.path.join({str(tries)!r}, name)\n"
+              "n = len(open(log).read()) if os.path.exists(log) else 0\n"
+              "open(log, 'a').write('x')\n"
+              "if ooms < 0: sys.exit('ValueError: a bug of its own')\n"
+              "if n < ooms: sys.exit('RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate')\n"
+              "os.makedirs(os.path.join(run, 'run')); open(os.path.join(run, 'run', 'summary.json'), 'w').write('{}')\n")
+
+    def job(name, ooms):
+        run = str(tmp_path / "work" / name)
+        return rep.Job(name, None, 0, 1e-3, run, [("train", [sys.executable, "-c", script, name, str(ooms), run])])
+
+    jobs = [job("fine", 0), job("once", 1), job("bug", -1), job("always", 99)]
+    rep.run_all(jobs, 4, None)
+    tried = {j.name: len((tries / j.name).read_text()) for j in jobs}
+    assert tried == {"fine": 1, "once": 2, "bug": 1, "always": 3}  # 4 at a time, then 2, then 1
+    assert [rep.done(j.run_dir) for j in jobs] == [True, True, False, False]
+    out = capsys.readouterr().out
+    assert "2 run(s) ran out of GPU memory: running them again, 2 at a time" in out
+    assert "1 run(s) ran out of GPU memory: running them again, 1 at a time" in out
+    assert "FAILED rc=1 (out of GPU memory)" in out and "bug: train FAILED rc=1: see" in out
+
 
 def analyze_into(out, work, *extra):
     """`analyze` on run folders or a keep archive, into `out` (which needs only calibration.json)."""
