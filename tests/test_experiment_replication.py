@@ -403,8 +403,6 @@ def test_a_cut_run_resumes_from_its_checkpoint_as_if_never_cut(tmp_path):
     assert len(rep.read_jsonl(os.path.join(fresh.run_dir, "probe.jsonl"))) == 4
 
 
-# --- the raw records kept in the repository --------------------------------------------------------
-
 def test_runs_out_of_gpu_memory_run_again_fewer_at_a_time(tmp_path, capsys):
     """A run whose training fails for want of GPU memory (too many sharing one card) runs again after the
     others, half as many at a time, until one at a time; a run failing for a reason of its own does not."""
@@ -432,6 +430,8 @@ def test_runs_out_of_gpu_memory_run_again_fewer_at_a_time(tmp_path, capsys):
     assert "1 run(s) ran out of GPU memory: running them again, 1 at a time" in out
     assert "FAILED rc=1 (out of GPU memory)" in out and "bug: train FAILED rc=1: see" in out
 
+
+# --- the raw records kept in the repository --------------------------------------------------------
 
 def analyze_into(out, work, *extra):
     """`analyze` on run folders or a keep archive, into `out` (which needs only calibration.json)."""
@@ -480,25 +480,9 @@ def test_keep_archives_the_records_and_analyze_reads_them_back(tmp_path):
         rep.main(["grid", "--work", str(archive), "--out", str(out_tar)])
 
 
-def test_kept_records_recompute_the_committed_results(tmp_path):
-    """The committed archive of the grid's and the pilot's raw records (results/aqn_replication/runs.tar.gz)
-    gives back, through `analyze`, the committed runs.csv, table.md, curves.json and pilot.json byte for
-    byte, and the README's results block is the table's."""
-    res = os.path.join(ROOT, "results", "aqn_replication")
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "calibration.json").write_bytes(open(os.path.join(res, "calibration.json"), "rb").read())
-    got = analyze_into(out, os.path.join(res, "runs.tar.gz"))
-    for name in ("runs.csv", "table.md", "curves.json"):
-        assert got[name] == open(os.path.join(res, name)).read(), name
-    assert (out / "pilot.json").read_text() == open(os.path.join(res, "pilot.json")).read()
-    readme = open(os.path.join(res, "README.md")).read()
-    block = readme.split("<!-- BEGIN results -->\n", 1)[1].split("<!-- END results -->", 1)[0]
-    assert block.strip() == got["table.md"].split("\n", 2)[2].strip()
-
-
 HARD = "--override=--lr 5e-4 --data countdown-hard --eval-data countdown-hard --save-every 10"
-LATER_GRIDS = {  # each grid's analyze flags, as its README gives them
+GRIDS = {  # each grid's analyze flags, as its README gives them
+    "aqn_replication": [],
     "aqn_replication_2": ["--arms", "1,2,4,5,6", "--seeds", "24", "--tau-hot", "1.5", "--override=--lr 5e-4"],
     "aqn_replication_3": ["--arms", "1,2,4,7,8", "--controls", "7,8", "--seeds", "24", "--tau-hot", "1.5",
                           "--override=--lr 5e-4"],
@@ -507,18 +491,21 @@ LATER_GRIDS = {  # each grid's analyze flags, as its README gives them
 }
 
 
-@pytest.mark.parametrize("grid", sorted(LATER_GRIDS))
-def test_kept_records_recompute_each_later_grid(tmp_path, grid):
-    """Each later grid's committed runs.tar.gz gives back, through `analyze` with the flags its README
-    gives, its committed runs.csv, table.md and curves.json byte for byte, and its README's results
-    block is that table: no number in those READMEs' tables was written by hand."""
+@pytest.mark.parametrize("grid", sorted(GRIDS))
+def test_kept_records_recompute_the_committed_results(tmp_path, grid):
+    """Each grid's committed archive of raw records (results/<grid>/runs.tar.gz; the first grid's holds the
+    pilot's too) gives back, through `analyze` with the flags its README gives, the committed runs.csv,
+    table.md, curves.json (and pilot.json) byte for byte, and the README's results block is the table: no
+    number in those tables was written by hand."""
     res = os.path.join(ROOT, "results", grid)
     out = tmp_path / "out"
     out.mkdir()
     (out / "calibration.json").write_bytes(open(os.path.join(res, "calibration.json"), "rb").read())
-    got = analyze_into(out, os.path.join(res, "runs.tar.gz"), *LATER_GRIDS[grid])
+    got = analyze_into(out, os.path.join(res, "runs.tar.gz"), *GRIDS[grid])
     for name in ("runs.csv", "table.md", "curves.json"):
         assert got[name] == open(os.path.join(res, name)).read(), name
+    if grid == "aqn_replication":  # (the later grids took the first one's lr)
+        assert (out / "pilot.json").read_text() == open(os.path.join(res, "pilot.json")).read()
     readme = open(os.path.join(res, "README.md")).read()
     block = readme.split("<!-- BEGIN results -->\n", 1)[1].split("<!-- END results -->", 1)[0]
     assert block.strip() == got["table.md"].split("\n", 2)[2].strip()
