@@ -25,6 +25,7 @@ from engine import plan as engine_plan
 from engine.plan import _last_wave_split, _wgmma_rows_of_x, _ws_ring_bytes, plan_dx, plan_forward
 from fp4_backend import KERNELS
 from fp4_gemm import QuantLinear
+from hub import write_text
 
 # Qwen2.5-7B's linears: name → (in_features, out_features of the layers fused into one matmul, bias).
 QWEN7B_SHAPES = {"qkv": (3584, (3584, 512, 512), True), "o": (3584, (3584,), False),
@@ -233,14 +234,6 @@ def copy_bandwidth():
     return 2 * a.numel() / ms / 1e9  # TB/s, bytes read + written
 
 
-def write_atomic(path, text):
-    """Write text to path through a temporary file and a rename: a reader never sees half of it."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def write_json(path, obj):
     """obj as indented JSON at path (atomically); what JSON cannot hold (a float nan) becomes null."""
     def clean(x):
@@ -253,7 +246,7 @@ def write_json(path, obj):
         if isinstance(x, torch.Tensor):
             return clean(x.tolist())
         return x
-    write_atomic(path, json.dumps(clean(obj), indent=1) + "\n")
+    write_text(path, json.dumps(clean(obj), indent=1) + "\n")
 
 
 def _measure(name, M, direction, plans, log):

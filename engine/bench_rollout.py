@@ -34,8 +34,9 @@ import lora
 import memory
 import nvfp4
 import rollout
-from engine.bench_gemm import copy_bandwidth, write_atomic, write_json
+from engine.bench_gemm import copy_bandwidth, write_json
 from engine.decode import generate
+from hub import write_text
 from model import RMSNorm, Transformer, qwen25_config
 from rollout import release
 
@@ -409,7 +410,7 @@ def bench(args):
 def write_outputs(args, props, copy_tb_s, rows, notes):
     """The table and notes so far to --bench-out (markdown), the rows to --json."""
     if args.bench_out:
-        write_atomic(args.bench_out, _table(rows) + "\n\n" + "\n".join(notes) + "\n")
+        write_text(args.bench_out, _table(rows) + "\n\n" + "\n".join(notes) + "\n")
     if args.json:
         write_json(args.json, dict(device=props.name, torch=torch.__version__, triton=triton.__version__,
                                    copy_tb_s=copy_tb_s, rows=rows, notes=notes))

@@ -65,8 +65,9 @@ import lora
 import memory
 import rollout
 import train
-from engine.bench_gemm import write_atomic, write_json
+from engine.bench_gemm import write_json
 from engine.bench_rollout import floor_ms, mean_length, random_model, random_stop_ids, step_bytes
+from hub import write_text
 from model import qwen25_config
 
 
@@ -487,7 +488,7 @@ def main(argv=None):
                                     results={m: {k: v for k, v in r.items() if k not in ("plan_table", "profile")}
                                              for m, r in results.items()}))
         if a.md:
-            write_atomic(a.md, report(a, header, results) + "\n")
+            write_text(a.md, report(a, header, results) + "\n")
     if a.profile:
         print("\nWhere the time goes (the last timed step's last rollout call; one more update, profiled):")
         for r in results.values():
