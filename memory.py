@@ -147,8 +147,11 @@ def engine_lora_bytes(cfg, rank, targets=nvfp4.LINEAR_NAMES, dtype=torch.bfloat1
     return cfg.num_layers * total * dtype.itemsize
 
 
-def kv_bytes_per_token(cfg, dtype=torch.bfloat16):
-    """K and V of every layer for one token: 2 · L · Hkv · D · dtype bytes (7B 57344, 72B 327680)."""
+def kv_bytes_per_token(cfg, dtype=torch.bfloat16, kv_cache="model"):
+    """K and V of every layer for one token: 2 · L · Hkv · D · dtype bytes (7B 57344, 72B 327680); with the
+    FP8 cache (rollout.KVCache) one byte a value and a float32 scale a kv head: 2 · L · Hkv · (D + 4)."""
+    if kv_cache == "fp8":
+        return 2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim + 4)
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
@@ -157,16 +160,16 @@ def cache_columns(prompt_len, max_new_tokens):
     return CACHE_COLUMNS * math.ceil((prompt_len + max_new_tokens) / CACHE_COLUMNS)
 
 
-def rollout_bytes(cfg, dtype, rows, prompts, prompt_len, max_new_tokens, quant="nvfp4"):
+def rollout_bytes(cfg, dtype, rows, prompts, prompt_len, max_new_tokens, quant="nvfp4", kv_cache="model"):
     """A rollout.generate call of `prompts` prompts (rows = prompts · G samples) on the GPU engine, while it
     decodes: {"kv cache", "outputs and logits", "prefill"} (the prefill: one layer's activations over the
     prompt tokens, their logits, and for an NVFP4 base the largest weight dequantized, as a prefill of
-    hundreds of rows multiplies in bf16)."""
+    hundreds of rows multiplies in bf16). kv_cache: what the cache stores (kv_bytes_per_token)."""
     S = cache_columns(prompt_len, max_new_tokens)
     H, I, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_kv_heads * cfg.head_dim
     one_layer = 3 * I + 4 * H + 2 * kv  # gate|up, their product; x, its norm, q, attention out; k, v (a token)
     largest = max(n * k for n, k in linear_shapes(cfg).values()) if quant == "nvfp4" else 0
-    return {"kv cache": rows * S * kv_bytes_per_token(cfg, dtype),
+    return {"kv cache": rows * S * kv_bytes_per_token(cfg, dtype, kv_cache),
             "outputs and logits": rows * (S * 12 + cfg.vocab_size * (dtype.itemsize + 4)),
             "prefill": (prompts * prompt_len * one_layer + largest) * dtype.itemsize + prompts * cfg.vocab_size * 4}
 
@@ -380,13 +383,14 @@ def largest_update(cfg, dtype, seqs, lengths, micro_batch, checkpointing, logp_c
 def plan(cfg, cap, *, prompts, group_size, prompt_len, max_new_tokens, micro_batch, lora_rank, logp_chunk=1024,
          quant="nvfp4", dtype=torch.bfloat16, lora_targets=nvfp4.LINEAR_NAMES, train_norms=True,
          checkpointing="auto", headroom=None, title="", eval_samples=None, eval_prompt_len=None,
-         eval_max_new_tokens=None, eval_rows=None):
+         eval_max_new_tokens=None, eval_rows=None, kv_cache="model"):
     """Fit one RL step into `cap` bytes (gpu_budget; None: no cap, the settings as asked).
 
     cfg: the model's config (model.Config); the step: `prompts` prompts of up to `prompt_len` tokens, G =
     `group_size` samples each, up to `max_new_tokens` new tokens; the update in micro-batches of
     `micro_batch` sequences at full length, logprobs in chunks of `logp_chunk` tokens, checkpointing
-    "auto" | "on" | "off"; LoRA of rank `lora_rank` on `lora_targets`, the blocks' norms trained or not.
+    "auto" | "on" | "off"; LoRA of rank `lora_rank` on `lora_targets`, the blocks' norms trained or not;
+    the rollout's cache storing `kv_cache` (rollout.KVCache; the evaluation's stores the model dtype).
     headroom: bytes kept free (default 5% of the cap + 1 GiB). With eval_samples, eval_prompt_len and
     eval_max_new_tokens, also the rows of a held-out evaluation's calls: `eval_rows` as asked (eval.py's
     batch), lowered in whole problems of eval_samples to fit beside the fixed part and the rollout's
@@ -415,7 +419,7 @@ def plan(cfg, cap, *, prompts, group_size, prompt_len, max_new_tokens, micro_bat
 
     def least_step(quant=quant, rank=lora_rank):
         """The fixed part and the least a step can run in: one group's rollout, or one sequence's update."""
-        one = rollout_bytes(cfg, dtype, group_size, 1, prompt_len, max_new_tokens, quant)
+        one = rollout_bytes(cfg, dtype, group_size, 1, prompt_len, max_new_tokens, quant, kv_cache)
         upd = update_bytes(cfg, dtype, seqs[:1], lengths[:1], True, MIN_LOGP_CHUNK, quant)
         return sum(fixed_parts(quant, rank).values()) + max(sum(one.values()), sum(upd.values()))
 
@@ -467,15 +471,15 @@ def plan(cfg, cap, *, prompts, group_size, prompt_len, max_new_tokens, micro_bat
     chunk, m, ckpt, upd = choice
 
     # the rollout: the most whole groups whose cache fits, spread evenly over the calls
-    call = lambda g: rollout_bytes(cfg, dtype, g * group_size, g, prompt_len, max_new_tokens, quant)
+    call = lambda g: rollout_bytes(cfg, dtype, g * group_size, g, prompt_len, max_new_tokens, quant, kv_cache)
     groups = _largest(lambda g: sum(call(g).values()) <= left, prompts)
     if not groups:
         if left > 0:
             S = cache_columns(prompt_len, max_new_tokens)
-            n = _largest(lambda t: sum(rollout_bytes(cfg, dtype, group_size, 1, prompt_len, t, quant).values())
-                         <= left, max_new_tokens)
-            g = _largest(lambda g: sum(rollout_bytes(cfg, dtype, g, 1, prompt_len, max_new_tokens, quant).values())
-                         <= left, group_size)
+            n = _largest(lambda t: sum(rollout_bytes(cfg, dtype, group_size, 1, prompt_len, t, quant,
+                                                     kv_cache).values()) <= left, max_new_tokens)
+            g = _largest(lambda g: sum(rollout_bytes(cfg, dtype, g, 1, prompt_len, max_new_tokens, quant,
+                                                     kv_cache).values()) <= left, group_size)
             fix = ([f"lower max_new_tokens (--max-new-tokens) to {n}"] if n else []) + \
                 ([f"group_size (--group-size) to {g}"] if g >= 2 else [])
             problems.append(f"a rollout of one group ({group_size} rows x {S} columns) needs "

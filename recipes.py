@@ -227,6 +227,9 @@ def build_parser():
     a("--no-compile", action="store_true", help="run the update's blocks eagerly (default: torch.compile on a GPU)")
     a("--fp8-update", action="store_true", help="NVFP4 base: the update's base GEMMs on FP8 tensor cores "
       "(engine/fp8.py); faster on Hopper, less exact (results/fp8_update.md)")
+    a("--fp8-kv", action="store_true", help="the rollout's KV cache in FP8 (E4M3, a scale a token and kv head: "
+      "rollout.KVCache): about half its memory, so more rows a rollout call for a large model (no faster a decode "
+      "step yet); the sampler's logprobs move away from the trainer's (results/fp8_kv.md)")
     # the optimizer
     a("--lr", type=float, default=None, help="peak learning rate")
     a("--warmup-steps", type=int, default=None, help="linear warm-up steps (default: the recipe's warm-up ratio "

@@ -232,14 +232,45 @@ def sample_reference(logits, rowkey, step, temperature=1.0, top_p=1.0, top_k=0):
 # The static KV cache (model.py's cache interface: attend, advance, length)
 # ---------------------------------------------------------------------------------------------
 
+KV_CACHES = ("model", "fp8")  # what the cache stores: K/V in the model's dtype, or in E4M3 (kv_e4m3)
+
+
+def kv_e4m3(t):
+    """The FP8 cache's quantizer: t (..., D) → (E4M3 (..., D), scale (...,) float32), t ≈ q · scale for each
+    D-vector (one token's key or value in one kv head): scale = amax / 448 (E4M3's largest value), q =
+    E4M3(t · 448 / amax), rounded to nearest even. One scale a vector keeps a head's outlier tokens from
+    crushing the others; E4M3's 3 mantissa bits leave each element a rounding error of up to 2^-4
+    relative. (The engine's cache-writing kernel computes the same bits.)"""
+    v = t.float()
+    amax = v.abs().amax(-1, keepdim=True).clamp_min(1e-30)  # (an all-zero vector quantizes to zeros)
+    m = torch.full_like(amax, 448.0)  # (a tensor: torch computes `448.0 / a` as 448 · (1 / a), two roundings)
+    return (v * (m / amax)).to(torch.float8_e4m3fn), (amax / m)[..., 0]
+
+
+def kv_dequant(q, scale, dtype):
+    """kv_e4m3's inverse, in `dtype`: q (..., D) times its scale (...,)."""
+    return (q.float() * scale[..., None]).to(dtype)
+
+
 class KVCache:
     """k, v (L, B, Hkv, S, D) allocated once; `length` columns are filled, the same number in every row
-    (prompts are left-padded). `valid` (B, S) is False at padding, which no query may attend to."""
+    (prompts are left-padded). `valid` (B, S) is False at padding, which no query may attend to.
+    kv="fp8": k, v are stored in E4M3 with one float32 scale a (row, kv head, column) in ks, vs (L, B, Hkv, S)
+    (kv_e4m3), about half the cache's bytes; every query attends to the dequantized keys and values, the
+    prompt's own included. An option (generate's kv_cache): it changes the
+    sampler's numbers, and so its distance from the trainer's, which recomputes K/V in 16 bits."""
 
-    def __init__(self, cfg, batch, max_len, dtype, device):
+    def __init__(self, cfg, batch, max_len, dtype, device, kv="model"):
+        if kv not in KV_CACHES:
+            raise ValueError(f"kv_cache must be one of {KV_CACHES}, got {kv!r}")
         shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.fp8, self.dtype = kv == "fp8", dtype
+        stored = torch.float8_e4m3fn if self.fp8 else dtype
+        self.k = torch.zeros(shape, dtype=stored, device=device)
+        self.v = torch.zeros(shape, dtype=stored, device=device)
+        if self.fp8:
+            self.ks = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
+            self.vs = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
         self.valid = torch.ones(batch, max_len, dtype=torch.bool, device=device)
         self.length = 0
 
@@ -249,9 +280,15 @@ class KVCache:
         s, T = self.length, q.shape[2]
         if s + T > self.k.shape[3]:
             raise ValueError(f"KV cache overflow: {s + T} tokens for a cache of {self.k.shape[3]}")
-        self.k[layer, :, :, s:s + T] = k
-        self.v[layer, :, :, s:s + T] = v
-        keys, values = self.k[layer, :, :, :s + T], self.v[layer, :, :, :s + T]  # (B, Hkv, s+T, D)
+        if self.fp8:
+            (self.k[layer, :, :, s:s + T], self.ks[layer, :, :, s:s + T]), \
+                (self.v[layer, :, :, s:s + T], self.vs[layer, :, :, s:s + T]) = kv_e4m3(k), kv_e4m3(v)
+            keys = kv_dequant(self.k[layer, :, :, :s + T], self.ks[layer, :, :, :s + T], self.dtype)
+            values = kv_dequant(self.v[layer, :, :, :s + T], self.vs[layer, :, :, :s + T], self.dtype)
+        else:
+            self.k[layer, :, :, s:s + T] = k
+            self.v[layer, :, :, s:s + T] = v
+            keys, values = self.k[layer, :, :, :s + T], self.v[layer, :, :, :s + T]  # (B, Hkv, s+T, D)
         qpos = torch.arange(s, s + T, device=q.device)[:, None]  # (T, 1)
         kpos = torch.arange(s + T, device=q.device)[None, :]  # (1, s+T)
         # a padding query sees only itself, so that no row is fully masked (which would give NaN)
@@ -261,16 +298,31 @@ class KVCache:
     def advance(self, T):
         self.length += T
 
+    def tensors(self):
+        """The names of the tensors that hold the cache, a row each along dim 1."""
+        return ("k", "v", "ks", "vs") if self.fp8 else ("k", "v")
+
     def keep_rows(self, rows):
         """Only these rows from now on (a bool mask or indices over the rows): the finished ones leave."""
-        self.k, self.v, self.valid = self.k[:, rows], self.v[:, rows], self.valid[rows]
+        for name in self.tensors():
+            setattr(self, name, _rows_of(getattr(self, name), lambda t: t[:, rows]))
+        self.valid = self.valid[rows]
 
     def repeat_rows(self, n):
         """Each row n times (row i → rows i·n … i·n + n − 1): a prompt's cache for its n samples."""
         if n > 1:
-            self.k, self.v = self.k.repeat_interleave(n, 1), self.v.repeat_interleave(n, 1)
+            for name in self.tensors():
+                setattr(self, name, _rows_of(getattr(self, name), lambda t: t.repeat_interleave(n, 1)))
             self.valid = self.valid.repeat_interleave(n, 0)
         return self
+
+
+def _rows_of(t, pick):
+    """pick(t), through a uint8 view of an E4M3 tensor (torch's gathers do not all take E4M3; its bytes move
+    the same)."""
+    if t.dtype != torch.float8_e4m3fn:
+        return pick(t)
+    return pick(t.view(torch.uint8)).view(torch.float8_e4m3fn)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,10 +359,10 @@ def sampling_setup(prompts, n, max_new_tokens, temperature, top_p, top_k, stop_i
     return prompts, sp, int(seed)
 
 
-def prefill(model, prompts, n, max_new_tokens, pad_id):
+def prefill(model, prompts, n, max_new_tokens, pad_id, kv="model"):
     """The P distinct prompts, left-padded to the longest (Lp), in one forward, their cache rows then
     repeated for the n samples of each. → (logits (N, V) of each row's first token, the cache (S = Lp +
-    max_new_tokens columns), pos (N,): the position of each row's next token)."""
+    max_new_tokens columns, storing `kv`: KVCache), pos (N,): the position of each row's next token)."""
     dev, P = model.device, len(prompts)
     lens = torch.tensor([len(p) for p in prompts], device=dev)  # (P,)
     Lp = int(lens.max())
@@ -319,7 +371,7 @@ def prefill(model, prompts, n, max_new_tokens, pad_id):
         tokens[i, Lp - len(p):] = torch.tensor(p)
     pad = Lp - lens  # (P,) left padding of each prompt
     positions = (torch.arange(Lp, device=dev)[None] - pad[:, None]).clamp(min=0)  # (P, Lp)
-    cache = KVCache(model.config, P, Lp + max_new_tokens, model.dtype, dev)
+    cache = KVCache(model.config, P, Lp + max_new_tokens, model.dtype, dev, kv)
     cache.valid[:, :Lp] = torch.arange(Lp, device=dev)[None] >= pad[:, None]
     h = model.hidden(tokens.to(dev), positions, cache)[:, -1]  # (P, H): the last column of each prompt
     logits = model.lm_head(h).repeat_interleave(n, 0)  # (N, V)
@@ -385,11 +437,12 @@ def decode_n_tokens(model, logits, cache, pos, keys, max_new_tokens, sp, stream=
 
 
 @torch.no_grad()
-def sample(model, prompts, n, max_new_tokens, sp, seed, stream=None, watch=None):
+def sample(model, prompts, n, max_new_tokens, sp, seed, stream=None, watch=None, kv="model"):
     """The plain sampler: prefill the distinct prompts once, then decode all N = P·n rows a token a step.
     stream(step, tokens (N,)) sees every step; watch (a Watch, optional) the prefill's end, every move to
-    fewer rows and the loop's end. → Rollout (its stats are the watch's business: generate fills them)."""
-    logits, cache, pos = prefill(model, prompts, n, max_new_tokens, sp.pad_id)
+    fewer rows and the loop's end; kv what the cache stores (KVCache). → Rollout (its stats are the watch's
+    business: generate fills them)."""
+    logits, cache, pos = prefill(model, prompts, n, max_new_tokens, sp.pad_id, kv)
     if watch is not None:
         watch.prefilled()
     keys = row_keys(seed, torch.arange(len(pos))).to(model.device)  # (N,)
@@ -455,7 +508,7 @@ def uses_engine(model, kernels):
 
 
 def generate(model, prompts, *, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0, top_k=0, stop_ids=(),
-             seed=None, pad_id=0, kernels="auto", graphs="auto", stream=None, compact=True):
+             seed=None, pad_id=0, kernels="auto", graphs="auto", stream=None, compact=True, kv_cache="model"):
     """Sample n completions of each prompt (lists of token ids) → Rollout (see its docstring).
 
     temperature 0 is greedy; top_p / top_k truncate the sampling set (the logprobs stay those of the
@@ -464,14 +517,18 @@ def generate(model, prompts, *, n=1, max_new_tokens=256, temperature=1.0, top_p=
     called after every step. kernels: "auto" (the engine on a CUDA GPU with Triton, this file's
     sampler elsewhere), "triton" (the engine) or "torch" (this file's sampler). graphs and compact are
     the engine's (engine/decode.py: CUDA graphs, the live rows moved to fewer as rows finish; this
-    file's sampler always moves them)."""
+    file's sampler always moves them). kv_cache: "model" (K/V in the model's dtype) or "fp8" (E4M3 with a
+    scale a token and kv head, KVCache: about half the cache's memory, an option that moves the sampler's
+    numbers away from the trainer's)."""
+    if kv_cache not in KV_CACHES:
+        raise ValueError(f"kv_cache must be one of {KV_CACHES}, got {kv_cache!r}")
     # ---- the one dispatch point: the fast engine, where a GPU is there ------------------------------
     if uses_engine(model, kernels):
         from engine import decode
 
         return decode.generate(model, prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
                                top_p=top_p, top_k=top_k, stop_ids=stop_ids, seed=seed, pad_id=pad_id, kernels=kernels,
-                               graphs=graphs, stream=stream, compact=compact)
+                               graphs=graphs, stream=stream, compact=compact, kv_cache=kv_cache)
     if graphs not in ("auto", True, False):
         raise ValueError(f"graphs must be auto|True|False, got {graphs!r}")
     if graphs is True:
@@ -482,7 +539,7 @@ def generate(model, prompts, *, n=1, max_new_tokens=256, temperature=1.0, top_p=
     model.eval()
     try:
         watch = Watch(model.device, prompts, n, max_new_tokens)
-        r = sample(model, prompts, n, max_new_tokens, sp, seed, stream, watch)
+        r = sample(model, prompts, n, max_new_tokens, sp, seed, stream, watch, kv_cache)
     finally:
         model.train(was_training)
     r.stats = watch.stats

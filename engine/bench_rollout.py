@@ -10,6 +10,7 @@ tests/engine/test_bench_rollout.py. The tables it printed: results/rollout_h200.
     python -m engine.bench_rollout --bench --no-big --batches 16 32 128
     python -m engine.bench_rollout --bench --batches 64 --new-tokens 1024 --early-stop 256   # rows that stop early
     python -m engine.bench_rollout --bench --quants nvfp4 --batches 1 --big-size 72b --json rows.json
+    python -m engine.bench_rollout --bench --no-big --batches 64 --new-tokens 2048 --kv-cache fp8   # the FP8 cache
 
 Each row is set against its floor: the bytes a decode step must read at least (every weight it touches
 once, and each row's KV cache up to its column, at the decode's mean column: prompt + new tokens / 2)
@@ -242,14 +243,14 @@ def kernel_group(k):
             "cuBLAS split-K reduces" if "splitKreduce" in k else "other: " + k[:40])
 
 
-def step_reads(model, batch, columns):
+def step_reads(model, batch, columns, kv_cache="model"):
     """What one decode step of `batch` rows at `columns` cache columns must read, in three parts, each with
     the profile groups whose kernels read it: {part: (bytes, groups)}. The rest of a step's kernels (norms,
     RoPE, SiLU, the sampler, split-K reduces) read only activations, so their floor is about zero."""
     quant = sum(t.numel() * t.element_size() for mod in model.modules() if isinstance(mod, fp4_gemm.QuantLinear)
                 for t in mod.buffers())
     dense = step_bytes(model) - quant  # lm_head, LoRA, a bf16 base's linears (and the norms' few KB)
-    kv = batch * columns * memory.kv_bytes_per_token(model.config, model.dtype)
+    kv = batch * columns * memory.kv_bytes_per_token(model.config, model.dtype, kv_cache)
     return {"NVFP4 weights": (quant, (FP4_GEMM, K_ORDER)),
             "16-bit weights (lm_head, LoRA, a bf16 base, norms)": (dense, (CUBLAS, LORA_A, LORA_B)),
             f"KV cache ({batch} x {columns} columns)": (kv, (ATTENTION,))}
@@ -272,14 +273,15 @@ def against_reads(groups, reads, copy_tb_s):
     return lines
 
 
-def _profile(model, batch, prompt_len, steps=4, copy_tb_s=None):
+def _profile(model, batch, prompt_len, steps=4, copy_tb_s=None, kv_cache="model"):
     """GPU time per kernel over a few eager decode steps (prefill excluded), grouped: where a step goes;
     with `copy_tb_s`, each group set against what it must read (step_reads, against_reads)."""
     from torch.profiler import ProfilerActivity, profile
 
     V = model.config.vocab_size
     prompts = torch.randint(0, V, (batch, prompt_len), generator=torch.Generator().manual_seed(0)).tolist()
-    generate(model, prompts, max_new_tokens=2, graphs=False, stop_ids=(), seed=0)  # compiles; leaves a filled cache
+    generate(model, prompts, max_new_tokens=2, graphs=False, stop_ids=(), seed=0, kv_cache=kv_cache)  # compiles;
+    # leaves a filled cache
     dec = model.__dict__["_rollout_decoder"]
     st = next(reversed(dec.states.values()))
     sp = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, pad_id=0, stop_ids=())
@@ -305,7 +307,7 @@ def _profile(model, batch, prompt_len, steps=4, copy_tb_s=None):
     if copy_tb_s:  # (the cache holds the prompt, the 2-token rollout, and the steps: about their middle here)
         lines.append(f"  against its reads, at {copy_tb_s:.2f} TB/s:")
         lines += against_reads({k: v[0] for k, v in groups.items()},
-                               step_reads(model, batch, prompt_len + 3 + steps // 2), copy_tb_s)
+                               step_reads(model, batch, prompt_len + 3 + steps // 2, kv_cache), copy_tb_s)
     return "\n".join(lines)
 
 
@@ -325,7 +327,9 @@ def bench(args):
     copy_tb_s = copy_bandwidth()  # (before any model: it needs 2 GiB of the GPU for a moment)
     print(f"# device copy bandwidth {copy_tb_s:.2f} TB/s (read + write)", flush=True)
     print(f"# prompt {args.prompt_len} tokens, {args.new_tokens} new tokens forced, LoRA rank {args.rank} "
-          f"unmerged on q,k,v,o,gate,up,down, AQN sigma {args.aqn_sigma:g} on the decoder norms", flush=True)
+          f"unmerged on q,k,v,o,gate,up,down, AQN sigma {args.aqn_sigma:g} on the decoder norms, the KV cache "
+          f"in {args.kv_cache} {'(E4M3, a scale a token and kv head)' if args.kv_cache == 'fp8' else 'dtype'}",
+          flush=True)
     rows, notes = [], []
     models = [("7b", q) for q in args.quants] + ([(args.big_size, "nvfp4")] if args.big else [])
     for size, quant in models:
@@ -336,7 +340,7 @@ def bench(args):
         _add_lora(model, args.rank)
         torch.cuda.synchronize()
         weights = step_bytes(model)
-        kv_token = memory.kv_bytes_per_token(model.config, model.dtype)
+        kv_token = memory.kv_bytes_per_token(model.config, model.dtype, args.kv_cache)
         mean_columns = args.prompt_len + args.new_tokens / 2  # (each row its own prompt here)
         floor_of = lambda batch, new=args.new_tokens: floor_ms(weights, kv_token, batch * (args.prompt_len + new / 2),
                                                                copy_tb_s)
@@ -358,7 +362,7 @@ def bench(args):
                 print(line, flush=True)
                 notes.append(line)
             for batch, kw in runs:
-                kw = {"kernels": args.kernels, "graphs": args.graphs, **kw}
+                kw = {"kernels": args.kernels, "graphs": args.graphs, "kv_cache": args.kv_cache, **kw}
                 tokens = args.new_tokens if kw["graphs"] is not False else 64  # eager is slow: fewer steps
                 try:
                     res = _bench_one(model, batch, args.prompt_len, tokens, seed=batch, **kw)
@@ -367,8 +371,8 @@ def bench(args):
                     print(line, flush=True)
                     notes.append(line)
                     continue
-                res.update(size=size, quant=quant, floor_ms=floor_of(batch, tokens), copy_tb_s=copy_tb_s,
-                           weight_gb=weights / 1e9, prompt_len=args.prompt_len, new_tokens=tokens)
+                res.update(size=size, quant=quant, kv_cache=args.kv_cache, floor_ms=floor_of(batch, tokens),
+                           copy_tb_s=copy_tb_s, weight_gb=weights / 1e9, prompt_len=args.prompt_len, new_tokens=tokens)
                 res["share"] = res["floor_ms"] / res["ms_step"]
                 line = (f"{size:>4} {quant:>6} batch {batch:>3}: {res['tok_s']:9.0f} tok/s  decode {res['ms_step']:6.2f} "
                         f"ms/step (floor {res['floor_ms']:.2f}: {res['share']:.0%})  prefill {res['prefill_ms']:7.1f} ms "
@@ -376,13 +380,13 @@ def bench(args):
                         f"{res['first_prefill_ms']:.0f})  compile+capture {res['capture_s']:.1f} s  "
                         f"(kernels {res['kernels']}, graphs {res['graphs']})")
                 print(line, flush=True)
-                if kw == {"kernels": args.kernels, "graphs": args.graphs}:
+                if kw == {"kernels": args.kernels, "graphs": args.graphs, "kv_cache": args.kv_cache}:
                     rows.append(res)
                 else:
                     notes.append("variant " + line)
                 write_outputs(args, props, copy_tb_s, rows, notes)  # (after every row: a run cut short keeps them)
             for batch in (args.batches if args.early_stop and size == "7b" else []):
-                kw = {"kernels": args.kernels, "graphs": args.graphs}
+                kw = {"kernels": args.kernels, "graphs": args.graphs, "kv_cache": args.kv_cache}
                 r = _bench_early_stop(model, batch, args.prompt_len, args.new_tokens, args.early_stop, seed=batch, **kw)
                 off, on = r[False], r[True]
                 how = lambda x: (f"{x['s']:.2f} s a rollout ({x['tok_s']:.0f} tok/s; {x['stopped']} rows stopped, mean "
@@ -395,7 +399,8 @@ def bench(args):
             if args.profile and (size, quant) == ("7b", "nvfp4"):
                 for b in args.profile:
                     try:
-                        line = f"{size} {quant} " + _profile(model, b, args.prompt_len, copy_tb_s=copy_tb_s)
+                        line = f"{size} {quant} " + _profile(model, b, args.prompt_len, copy_tb_s=copy_tb_s,
+                                                             kv_cache=args.kv_cache)
                     except Exception as e:
                         line = f"{size} {quant} profile failed: {type(e).__name__}: {e}"
                     print(line, flush=True)
@@ -451,6 +456,8 @@ def main(argv=None):
     p.add_argument("--aqn-sigma", type=float, default=1e-2, help="benchmark AQN noise sigma on the norm weights")
     p.add_argument("--kernels", default="auto", choices=("auto", "triton", "torch"), help="fused ops: Triton or torch")
     p.add_argument("--graphs", default="auto", choices=("auto", "on", "off"), help="CUDA graphs for the decode step and short prefills")
+    p.add_argument("--kv-cache", default="model", choices=rollout.KV_CACHES, help="what the KV cache stores: K/V in "
+                   "the model dtype, or fp8 (E4M3 with a scale a token and kv head: rollout.KVCache)")
     p.add_argument("--check", action="store_true", help="benchmark: first check the GPU step against rollout.py's plain sampler and a full forward")
     p.add_argument("--profile", type=int, nargs="*", default=[], help="benchmark: kernel-time profile at these batches")
     p.add_argument("--variants", action="store_true", help="benchmark: also time eager (no graphs) and torch-op steps")

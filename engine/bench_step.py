@@ -30,10 +30,11 @@ reach (capture_s, included in rollout_s).
     python -m engine.bench_step --size 32b --modes nvfp4 --mem-cap-gb 80
     python -m engine.bench_step --size 72b --modes nvfp4 --mem-cap-gb 80 --decode-batch1  # built in NVFP4
     python -m engine.bench_step --size 7b --modes bf16,nvfp4,nvfp4+fp8   # and the update on FP8 tensor cores
+    python -m engine.bench_step --size 7b --modes bf16,nvfp4,nvfp4+fp8kv # and the rollout's KV cache in FP8
     python -m engine.bench_step --size 7b --early-stop 256 --profile       # and where each step's time goes
 
 The last column is the step's sampler-trainer mismatch (grpo.py's mismatch_kl: the rollout's logprobs
-against the update's, no AQN here), which --fp8-update raises.
+against the update's, no AQN here), which --fp8-update and --fp8-kv raise.
 
 Memory. Each mode first plans its step with memory.plan (printed as a table): on a GPU, in what this
 process may use (free memory, or --mem-cap-gb); the rollout runs in as many rollout.generate calls of
@@ -71,7 +72,13 @@ from hub import write_text
 from model import qwen25_config
 
 
-MODES = ("bf16", "nvfp4", "nvfp4+fp8")  # the bases: 16-bit, NVFP4, NVFP4 with the update on FP8 tensor cores
+# the bases: 16-bit, NVFP4, NVFP4 with the update on FP8 tensor cores, NVFP4 with the rollout's KV cache in FP8
+MODES = ("bf16", "nvfp4", "nvfp4+fp8", "nvfp4+fp8kv")
+
+
+def kv_cache_of(mode):
+    """What the rollout's KV cache stores in `mode` (rollout.KVCache)."""
+    return "fp8" if mode == "nvfp4+fp8kv" else "model"
 SIZES = ("0.5b", "1.5b", "3b", "7b", "14b", "32b", "72b")
 
 
@@ -79,7 +86,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description="RL step benchmark: bf16-LoRA vs NVFP4-LoRA on random Qwen2.5 shapes.")
     p.add_argument("--size", default="7b", choices=SIZES, help="Qwen2.5 shape")
     p.add_argument("--modes", default="bf16,nvfp4", help="comma-separated bases to compare: bf16, nvfp4, nvfp4+fp8 "
-                   "(an NVFP4 base whose update runs on FP8 tensor cores: train.py --fp8-update)")
+                   "(an NVFP4 base whose update runs on FP8 tensor cores: train.py --fp8-update), nvfp4+fp8kv (an "
+                   "NVFP4 base whose rollout keeps its KV cache in FP8: train.py --fp8-kv)")
     p.add_argument("--prompts", type=int, default=8, help="prompts per step")
     p.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
     p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens")
@@ -135,7 +143,8 @@ def step_plan(a, cfg, mode, cap, headroom=None):
     return memory.plan(cfg, cap, prompts=a.prompts, group_size=a.group_size, prompt_len=a.prompt_len,
                        max_new_tokens=a.new_tokens, micro_batch=a.micro_batch, lora_rank=a.lora_rank,
                        logp_chunk=a.logp_chunk, quant="bf16" if mode == "bf16" else "nvfp4", train_norms=False,
-                       checkpointing=a.checkpointing, headroom=headroom, title=f"Qwen2.5-{a.size} shape, {mode}")
+                       checkpointing=a.checkpointing, headroom=headroom, title=f"Qwen2.5-{a.size} shape, {mode}",
+                       kv_cache=kv_cache_of(mode))
 
 
 def update_config(a, plan, fp8=False):
@@ -214,13 +223,14 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def rollout_groups(model, prompts, a, plan, stops, step):
+def rollout_groups(model, prompts, a, plan, stops, step, kv_cache="model"):
     """The step's rollout as the plan lays it out: calls of plan.rollout_rows rows (whole groups), each keyed
     (ddp.shift_seed) as its rows would be in one call of every prompt, so the samples do not depend on the
     split. → [(the call's first prompt, its Rollout)]."""
     per_call = plan.rollout_rows // a.group_size
     return [(lo, rollout.generate(model, prompts[lo:lo + per_call], n=a.group_size, max_new_tokens=a.new_tokens,
-                                  temperature=1.0, stop_ids=stops, seed=ddp.shift_seed(step, lo * a.group_size)))
+                                  temperature=1.0, stop_ids=stops, seed=ddp.shift_seed(step, lo * a.group_size),
+                                  kv_cache=kv_cache))
             for lo in range(0, len(prompts), per_call)]
 
 
@@ -248,7 +258,7 @@ def decode_floor_s(segments, weights, kv_token, group_size, prompt_len, copy_tb_
     return floor
 
 
-def timed_step(model, optimizer, params, prompts, a, plan, ua, stops, gen, step, device, cuda):
+def timed_step(model, optimizer, params, prompts, a, plan, ua, stops, gen, step, device, cuda, kv_cache="model"):
     """One RL step: rollout (in the plan's calls), the cache released where the plan says, the reward stand-in,
     one update. → (a row of timings and peaks, the update's metrics, its batch, the rollout calls)."""
     sync(device)
@@ -257,7 +267,7 @@ def timed_step(model, optimizer, params, prompts, a, plan, ua, stops, gen, step,
     t0 = time.time()
     model.eval()
     with torch.no_grad():
-        calls = rollout_groups(model, prompts, a, plan, stops, step)
+        calls = rollout_groups(model, prompts, a, plan, stops, step, kv_cache)
     sync(device)
     t1 = time.time()
     peak_rollout = torch.cuda.max_memory_allocated() if cuda else float("nan")
@@ -315,11 +325,11 @@ def run_mode(a, mode, device, cfg, plan=None, copy_tb_s=None):
     prompts = [torch.randint(0, cfg.vocab_size, (a.prompt_len,), generator=gen).tolist() for _ in range(a.prompts)]
     stops = stop_ids(a, cfg.vocab_size)
     ua = update_config(a, plan, fp8=mode == "nvfp4+fp8")
-    weights, kv_token = step_bytes(model), memory.kv_bytes_per_token(cfg, model.dtype)
+    weights, kv_token = step_bytes(model), memory.kv_bytes_per_token(cfg, model.dtype, kv_cache_of(mode))
     rows, graphs = [], compiled_graphs()
     for step in range(a.steps + 1):  # step 0 warms up (compilation, graph capture, autotuning)
         row, metrics, batch, calls = timed_step(model, optimizer, params, prompts, a, plan, ua, stops, gen,
-                                                          step, device, cuda)
+                                                step, device, cuda, kv_cache_of(mode))
         if copy_tb_s:
             row["decode_floor_s"] = sum(decode_floor_s(ro.stats["segments"], weights, kv_token, a.group_size,
                                                        a.prompt_len, copy_tb_s) for ro in calls)

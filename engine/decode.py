@@ -30,6 +30,12 @@ loop:
   (Decoder.shrink), captured with the full state's; a row keeps its row key and so its draws.
 - A short prefill replays a CUDA graph per (prompts, padded length) shape (PREFILL_GRAPH_TOKENS).
 
+An option, off by default (generate's kv_cache="fp8", train.py --fp8-kv): the cache in E4M3 with a float32
+scale a (row, kv head, column), rollout.KVCache's form: about half the cache's bytes, so more rows a call
+(the FP8 attention is not yet faster a step: results/fp8_kv.md). The K/V write quantizes
+(_rope_write_kernel), and the attention multiplies each column's scale in where it factors out: a key's
+into the column's scores, a value's into its softmax weight (_attn_part).
+
 LoRA stays unmerged: its A's and B's are copied at the start of every call, in the model's dtype with
 alpha/r folded into B, into buffers the graph reads. AQN (aqn.py) perturbs the RMSNorm weights in place;
 the step reads them where they live. Every fused op keeps its torch form next to its kernel launch
@@ -225,14 +231,19 @@ class _State:
         self.subs = {}
         i64 = dict(dtype=torch.int64, device=dev)
         if parent is not None:
-            self.k, self.v = parent.k[:, :N], parent.v[:, :N]  # (L, N, Hkv, S, D); each layer's is contiguous
+            for name in dec.cache_tensors:  # (L, N, Hkv, S, D) and (L, N, Hkv, S); each layer's is contiguous
+                setattr(self, name, getattr(parent, name)[:, :N])
             for name in self.ROW_TENSORS:
                 setattr(self, name, getattr(parent, name)[:N])
             self.counters, self.stops, self.cos, self.sin = parent.counters, parent.stops, parent.cos, parent.sin
         else:
             # zeros, not empty: the torch attention multiplies masked garbage by 0, and 0 * NaN is NaN
-            self.k = torch.zeros(L, N, Hkv, S, D, dtype=dt, device=dev)  # (L, N, Hkv, S, D)
-            self.v = torch.zeros(L, N, Hkv, S, D, dtype=dt, device=dev)
+            stored = torch.float8_e4m3fn if dec.kv_fp8 else dt
+            self.k = torch.zeros(L, N, Hkv, S, D, dtype=stored, device=dev)  # (L, N, Hkv, S, D)
+            self.v = torch.zeros(L, N, Hkv, S, D, dtype=stored, device=dev)
+            if dec.kv_fp8:  # one scale a (row, kv head, column): rollout.KVCache
+                self.ks = torch.zeros(L, N, Hkv, S, dtype=torch.float32, device=dev)
+                self.vs = torch.zeros(L, N, Hkv, S, dtype=torch.float32, device=dev)
             self.tok = torch.zeros(N, **i64)  # the token entering the next step
             self.counters = torch.zeros(2, **i64)  # [cache column of that token, output step it samples]
             self.pad = torch.zeros(N, **i64)  # left padding of each row = its first valid column
@@ -283,8 +294,8 @@ class _PrefillCache:
     [0, Lp) (Decoder.prompt_rope_write), and each prompt's queries over its own columns (causal, padding
     masked)."""
 
-    def __init__(self, st, row0, n, pad, Lp):
-        self.st, self.row0, self.n, self.pad, self.Lp = st, row0, n, pad, Lp
+    def __init__(self, dec, st, row0, n, pad, Lp):
+        self.dec, self.st, self.row0, self.n, self.pad, self.Lp = dec, st, row0, n, pad, Lp
         kpos = torch.arange(Lp, device=pad.device)
         qpos = kpos[:, None]
         # a padding query sees only itself, so that no row of the mask is empty (NaN)
@@ -304,8 +315,7 @@ class _PrefillCache:
 
     def attend(self, layer, q):  # q (P, Hq, Lp, D) → (P·Lp, Hq·D)
         P, Hq, Lp, D = q.shape
-        first = self.rows(P)[1]
-        k, v = self.st.k[layer, first, :, :Lp], self.st.v[layer, first, :, :Lp]  # (P, Hkv, Lp, D)
+        k, v = self.dec.cached(self.st, layer, self.rows(P)[1], Lp)  # (P, Hkv, Lp, D)
         # (enable_gqa: SDPA reads the kv heads as they are, faster than with K/V expanded to every query head
         # first: results/rollout_h200.md; SDPA's output keeps q's (P, Lp, Hq, D) layout, so the reshape is a
         # view)
@@ -321,13 +331,17 @@ class Decoder:
     """The sampler for one model. Built once per model (generate() keeps it on the model; release()
     drops it): regroups the linears, then per (rows, columns) shape keeps a _State and its graphs."""
 
-    def __init__(self, model, kernels="auto", graphs="auto", max_states=2):
+    def __init__(self, model, kernels="auto", graphs="auto", max_states=2, kv="model"):
         if kernels not in ("auto", "triton", "torch") or graphs not in ("auto", True, False):
             raise ValueError(f"kernels must be auto|triton|torch and graphs auto|True|False, got {kernels!r}, {graphs!r}")
+        if kv not in rollout.KV_CACHES:
+            raise ValueError(f"kv_cache must be one of {rollout.KV_CACHES}, got {kv!r}")
         # The model keeps its decoder (generate); a strong reference back would make a cycle, and only the
         # garbage collector would free the two (the caches and graphs with them), whenever it runs.
         self._model, self.cfg = weakref.ref(model), model.config
-        self.opts = (kernels, graphs)
+        self.opts = (kernels, graphs, kv)
+        self.kv_fp8 = kv == "fp8"  # the cache in E4M3 with a scale a (row, kv head, column): rollout.KVCache
+        self.cache_tensors = ("k", "v", "ks", "vs") if self.kv_fp8 else ("k", "v")
         self.device, self.dtype = model.device, model.dtype
         self.triton = kernels == "triton" or (kernels == "auto" and self.device.type == "cuda")
         if self.triton and (self.cfg.head_dim < 32 or self.cfg.head_dim != _pow2(self.cfg.head_dim)):
@@ -406,9 +420,26 @@ class Decoder:
         q, k = q.reshape(M, Hq, D), k.reshape(M, Hkv, D)
         q, k = apply_rope(q, k, cos, sin)
         col = st.counters[:1]
-        st.k[layer].index_copy_(2, col, k[:, :, None])
-        st.v[layer].index_copy_(2, col, v.reshape(M, Hkv, 1, D))
+        for name, t in zip(self.cache_tensors, self.stored(k[:, :, None], v.reshape(M, Hkv, 1, D))):
+            dst = getattr(st, name)[layer]
+            if t.dtype == torch.float8_e4m3fn:  # (index_copy_ takes no E4M3: the same bytes as uint8)
+                dst, t = dst.view(torch.uint8), t.view(torch.uint8)
+            dst.index_copy_(2, col, t)
         return q
+
+    def stored(self, k, v):
+        """k, v (..., D) as the cache stores them: (k, v), or with the FP8 cache (k8, v8, k's scales, v's)."""
+        if not self.kv_fp8:
+            return k, v
+        (k8, ks), (v8, vs) = rollout.kv_e4m3(k), rollout.kv_e4m3(v)
+        return k8, v8, ks, vs
+
+    def cached(self, st, layer, rows, S):
+        """The cache's keys and values of `layer` at `rows`, columns [0, S), in the model dtype."""
+        if not self.kv_fp8:
+            return st.k[layer, rows, :, :S], st.v[layer, rows, :, :S]
+        return tuple(rollout.kv_dequant(getattr(st, c)[layer, rows, :, :S], getattr(st, sc)[layer, rows, :, :S],
+                                        self.dtype) for c, sc in (("k", "ks"), ("v", "vs")))
 
     def prompt_rope_write(self, qkv, a, grp, cache, layer):
         """rope_write for a prefill: qkv (P·T, (Hq+2Hkv)·D) + LoRA → q (P, Hq, T, D) rotated at the prompts'
@@ -425,8 +456,8 @@ class Decoder:
         heads = lambda t, H: t.reshape(P, T, H, D).transpose(1, 2)  # (P·T, H·D) → (P, H, T, D)
         q, k = apply_rope(heads(q, Hq), heads(k, Hkv), *cache.cos_sin)
         both, n = cache.rows(P)[0], cache.n
-        for c, t in ((cache.st.k, k), (cache.st.v, heads(v, Hkv))):
-            c[layer, both, :, :T] = t.repeat_interleave(n, 0) if n > 1 else t
+        for name, t in zip(self.cache_tensors, self.stored(k, heads(v, Hkv))):
+            getattr(cache.st, name)[layer, both, :, :T] = t.repeat_interleave(n, 0) if n > 1 else t
         return q
 
     def _rope_write(self, qkv, a, grp, st, layer, q, pad, prompt=None):
@@ -436,8 +467,13 @@ class Decoder:
         Hq, Hkv, D, R, M = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, grp.R, qkv.shape[0]
         _rope_write_kernel[(triton.cdiv(M, 16), Hq + 2 * Hkv)](
             qkv, a if R else qkv, grp.B if R else qkv, st.cos, st.sin, pad, st.counters, q, st.k[layer], st.v[layer],
-            M, st.S, Hq, Hkv, a.shape[1] if R else 0, *(prompt or (1, 1, 0)), D=D, R=max(R, 16), BM=16, HAS_LORA=R > 0,
-            PREC=self.prec, PROMPT=prompt is not None, num_warps=4, **self.pdl)
+            *self.scales(st, layer), M, st.S, Hq, Hkv, a.shape[1] if R else 0, *(prompt or (1, 1, 0)), D=D,
+            R=max(R, 16), BM=16, HAS_LORA=R > 0, PREC=self.prec, PROMPT=prompt is not None, FP8=self.kv_fp8,
+            num_warps=4, **self.pdl)
+
+    def scales(self, st, layer):
+        """The kernels' ks, vs arguments: the FP8 cache's scales of `layer`, or (unread) its k and v."""
+        return (st.ks[layer], st.vs[layer]) if self.kv_fp8 else (st.k[layer], st.v[layer])
 
     def attention(self, q, st, layer, terms, order=NATURAL):
         """q (M, Hq, D) against this layer's cache columns [pad_b, col] → (M, Hq·D)."""
@@ -447,10 +483,10 @@ class Decoder:
             G = Hq // Hkv
             rows = min(st.n, max(1, SHARED_HEADS // G))  # rows of a group a program takes over their prompt
             _attn_partial_kernel[(M * Hkv, st.attn_split)](
-                q, st.k[layer], st.v[layer], st.pad, st.done, st.counters, st.shared, st.attn_m, st.attn_l,
-                st.attn_acc, 1.0 / math.sqrt(D), st.S, Hkv, st.attn_m.shape[1], G=G, G_PAD=max(16, _pow2(G)), D=D,
-                BLOCK_N=64, N_GROUP=st.n, ROWS=rows, Q_PAD=max(16, _pow2(rows * G)), PREC=self.prec, num_warps=4,
-                num_stages=st.attn_stages, **self.pdl)
+                q, st.k[layer], st.v[layer], *self.scales(st, layer), st.pad, st.done, st.counters, st.shared,
+                st.attn_m, st.attn_l, st.attn_acc, 1.0 / math.sqrt(D), st.S, Hkv, st.attn_m.shape[1], G=G,
+                G_PAD=max(16, _pow2(G)), D=D, BLOCK_N=64, N_GROUP=st.n, ROWS=rows, Q_PAD=max(16, _pow2(rows * G)),
+                PREC=self.prec, FP8=self.kv_fp8, num_warps=4, num_stages=st.attn_stages, **self.pdl)
             slots = st.attn_split * (2 if st.n > 1 else 1)
             out = _output(M, Hq * D, order, q)
             k_step = order[0]
@@ -461,7 +497,7 @@ class Decoder:
             return out
         valid = terms[2]  # (M, S)
         S = valid.shape[1]
-        out = F.scaled_dot_product_attention(q[:, :, None], st.k[layer, :, :, :S], st.v[layer, :, :, :S],
+        out = F.scaled_dot_product_attention(q[:, :, None], *self.cached(st, layer, slice(None), S),
                                              attn_mask=valid[:, None, None], enable_gqa=True)  # (M, Hq, 1, D)
         return _in_k_order(out.reshape(M, Hq * D), order[0])
 
@@ -682,7 +718,7 @@ class Decoder:
     def prompt_logits(self, st, tokens, pad, row0, n):
         """The last logits (p, V) of prompts tokens (p, Lp) left-padded by pad (p,); their K/V into the n
         cache rows of each, from row row0 on."""
-        cache = _PrefillCache(st, row0, n, pad, tokens.shape[1])
+        cache = _PrefillCache(self, st, row0, n, pad, tokens.shape[1])
         return self.model.lm_head(self.prompt_hidden(tokens, cache))
 
     def capture_prefill(self, st, tokens, pad, n):
@@ -825,7 +861,10 @@ class Decoder:
             t = getattr(st, name)
             t.copy_(t[on_dev])
         rows = on_dev[: live.numel()]
-        for cache in (root.k, root.v):
+        for name in self.cache_tensors:
+            cache = getattr(root, name)
+            if cache.dtype == torch.float8_e4m3fn:  # (the same bytes as uint8: torch's gathers do not all take E4M3)
+                cache = cache.view(torch.uint8)
             for layer in range(cache.shape[0]):  # (a layer at a time: the gather's copy stays small)
                 cache[layer, : rows.numel(), :, :column] = cache[layer, rows, :, :column]
         order[: st.N] = order[: st.N][keep]
@@ -851,12 +890,12 @@ def decoder_of(model):
     return getattr(model, rollout.ENGINE_STATE, None)
 
 
-def _decoder(model, kernels, graphs):
+def _decoder(model, kernels, graphs, kv="model"):
     dec = decoder_of(model)
-    if dec is None or dec.opts != (kernels, graphs) or dec.fingerprint != _fingerprint(model) \
+    if dec is None or dec.opts != (kernels, graphs, kv) or dec.fingerprint != _fingerprint(model) \
             or dec.device != model.device or dec.dtype != model.dtype:
         rollout.release(model)
-        dec = Decoder(model, kernels, graphs)
+        dec = Decoder(model, kernels, graphs, kv=kv)
         setattr(model, rollout.ENGINE_STATE, dec)
     return dec
 
@@ -864,18 +903,19 @@ def _decoder(model, kernels, graphs):
 
 
 def generate(model, prompts, *, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0, top_k=0, stop_ids=(),
-             seed=None, pad_id=0, kernels="auto", graphs="auto", stream=None, compact=True):
+             seed=None, pad_id=0, kernels="auto", graphs="auto", stream=None, compact=True, kv_cache="model"):
     """rollout.generate through this engine whatever the device (rollout.generate comes here on a CUDA GPU
     with Triton, or with kernels="triton"): the same arguments and Rollout. kernels: "triton" (default on
     CUDA) or "torch" (the fused ops as torch ops, default elsewhere); graphs: CUDA graphs for the decode
     step and short prefills (PREFILL_GRAPH_TOKENS; default on CUDA, True only there). stream(step,
     tokens (N,)) forces a sync per step. compact: as rows finish, the live ones move into a state of half
-    the rows or fewer (Decoder.shrink; not with stream)."""
+    the rows or fewer (Decoder.shrink; not with stream). kv_cache: what the cache stores (rollout.KVCache);
+    the engine is rebuilt when it changes."""
     prompts, sp, seed = rollout.sampling_setup(prompts, n, max_new_tokens, temperature, top_p, top_k, stop_ids, seed,
                                                pad_id)
     was_training = model.training
     model.eval()
     try:
-        return _decoder(model, kernels, graphs).run(prompts, n, max_new_tokens, sp, seed, stream, compact=compact)
+        return _decoder(model, kernels, graphs, kv_cache).run(prompts, n, max_new_tokens, sp, seed, stream, compact=compact)
     finally:
         model.train(was_training)

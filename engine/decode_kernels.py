@@ -16,6 +16,7 @@ that GEMM's K order (K_STEP, engine/korder.py).
 import triton
 import triton.language as tl
 
+from engine.fp8 import round_e4m3
 from engine.korder import k_ordered_tile
 from engine.pdl import pdl_launch_next, pdl_wait
 
@@ -45,14 +46,16 @@ def _add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, xout_ptr, out_ptr, H, eps,
 
 
 @triton.jit
-def _rope_write_kernel(qkv_ptr, a_ptr, b_ptr, cos_ptr, sin_ptr, pad_ptr, counters_ptr, q_ptr, kc_ptr, vc_ptr,
-                       M, S, Hq, Hkv, A_STRIDE, T, COPIES, ROW0, D: tl.constexpr, R: tl.constexpr, BM: tl.constexpr,
-                       HAS_LORA: tl.constexpr, PREC: tl.constexpr, PROMPT: tl.constexpr, PDL: tl.constexpr):
+def _rope_write_kernel(qkv_ptr, a_ptr, b_ptr, cos_ptr, sin_ptr, pad_ptr, counters_ptr, q_ptr, kc_ptr, vc_ptr, ks_ptr,
+                       vs_ptr, M, S, Hq, Hkv, A_STRIDE, T, COPIES, ROW0, D: tl.constexpr, R: tl.constexpr,
+                       BM: tl.constexpr, HAS_LORA: tl.constexpr, PREC: tl.constexpr, PROMPT: tl.constexpr,
+                       FP8: tl.constexpr, PDL: tl.constexpr):
     """Program (row block, head j of q|k|v): add the head's LoRA B product, rotate q and k by their
     positions, store q to q_ptr (M, Hq, D) and k / v into this layer's cache. A decode step (PROMPT false):
     row m is sequence m, its token at the current column. A prefill (PROMPT): row m is token t = m % T of
     prompt p = m // T (left-padded by pad[p]) at column t, its k / v into cache rows ROW0 + p·COPIES ...
-    + COPIES − 1 (the prompt's samples)."""
+    + COPIES − 1 (the prompt's samples). FP8: the cache holds E4M3, each (row, head, column)'s scale in
+    ks / vs (rollout.kv_e4m3's arithmetic, on the value rounded to the model dtype)."""
     pm = tl.program_id(0)
     j = tl.program_id(1)
     HALF: tl.constexpr = D // 2
@@ -97,25 +100,44 @@ def _rope_write_kernel(qkv_ptr, a_ptr, b_ptr, cos_ptr, sin_ptr, pad_ptr, counter
         tl.store(dst + d[None, :], y1, mask=rm[:, None])
         tl.store(dst + HALF + d[None, :], y2, mask=rm[:, None])
     else:
-        cache = kc_ptr
+        cache, scales = kc_ptr, ks_ptr
         h = j - Hq
         if j >= Hq + Hkv:
-            cache = vc_ptr
+            cache, scales = vc_ptr, vs_ptr
             h = j - Hq - Hkv
         for c in range(COPIES):
-            dst = cache + ((((ROW0 + p * COPIES + c) * Hkv + h) * S + col) * D)[:, None]
-            tl.store(dst + d[None, :], y1, mask=rm[:, None])
-            tl.store(dst + HALF + d[None, :], y2, mask=rm[:, None])
+            _store_kv(cache, scales, ((ROW0 + p * COPIES + c) * Hkv + h) * S + col, y1, y2, rm, BM, D, FP8)
+
+
+@triton.jit
+def _store_kv(cache, scales, at, y1, y2, rm, BM: tl.constexpr, D: tl.constexpr, FP8: tl.constexpr):
+    """The two halves y1, y2 (BM, D/2) of BM keys or values into the cache at (row, head, column) `at` (BM,).
+    FP8: amax / 448 over each one's D values into `scales`, the values times 448 / amax rounded to E4M3."""
+    HALF: tl.constexpr = D // 2
+    d = tl.arange(0, HALF)
+    dst = cache + (at * D)[:, None]
+    if FP8:
+        f1, f2 = y1.to(tl.float32), y2.to(tl.float32)
+        amax = tl.maximum(tl.maximum(tl.max(tl.abs(f1), 1), tl.max(tl.abs(f2), 1)), 1e-30)  # (BM,)
+        inv = tl.math.div_rn(tl.full([BM], 448.0, tl.float32), amax)[:, None]  # IEEE divisions, as torch's
+        tl.store(dst + d[None, :], round_e4m3(f1 * inv).to(cache.dtype.element_ty), mask=rm[:, None])
+        tl.store(dst + HALF + d[None, :], round_e4m3(f2 * inv).to(cache.dtype.element_ty), mask=rm[:, None])
+        tl.store(scales + at, tl.math.div_rn(amax, tl.full([BM], 448.0, tl.float32)), mask=rm)
+    else:
+        tl.store(dst + d[None, :], y1, mask=rm[:, None])
+        tl.store(dst + HALF + d[None, :], y2, mask=rm[:, None])
 
 
 
 
 @triton.jit
-def _attn_part(q_ptr, kc_ptr, vc_ptr, m_ptr, l_ptr, acc_ptr, qrow, qm, base, lo, hi, out, sm_scale,
-               QP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+def _attn_part(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, m_ptr, l_ptr, acc_ptr, qrow, qm, base, lo, hi, out, sm_scale,
+               QP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr):
     """Online softmax of the QP query rows `qrow` (mask qm) over the cache columns [lo, hi) at `base` (one
     row's one kv head); its max, sum and weighted values stored at `out` (the values only if a column was
-    read: the combine does not read them from an empty slot)."""
+    read: the combine does not read them from an empty slot). FP8: the cache's E4M3 keys and values are
+    multiplied by their column's scale (ks / vs at base / D) where it factors out: a key's into its column
+    of scores, a value's into its column's softmax weight."""
     d = tl.arange(0, D)
     q = tl.load(q_ptr + qrow[:, None] * D + d[None, :], mask=qm[:, None], other=0.0)  # (QP, D)
     m_i = tl.full([QP], float("-inf"), tl.float32)
@@ -125,13 +147,17 @@ def _attn_part(q_ptr, kc_ptr, vc_ptr, m_ptr, l_ptr, acc_ptr, qrow, qm, base, lo,
         n = n0 + tl.arange(0, BLOCK_N)
         nm = n < hi
         k = tl.load(kc_ptr + base + n[:, None] * D + d[None, :], mask=nm[:, None], other=0.0)  # (BLOCK_N, D)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * sm_scale  # (QP, BLOCK_N)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * sm_scale  # (QP, BLOCK_N)
+        if FP8:
+            s = s * tl.load(ks_ptr + base // D + n, mask=nm, other=0.0)[None, :]
         s = tl.where(nm[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(vc_ptr + base + n[:, None] * D + d[None, :], mask=nm[:, None], other=0.0)
+        v = tl.load(vc_ptr + base + n[:, None] * D + d[None, :], mask=nm[:, None], other=0.0).to(q.dtype)
+        if FP8:
+            p = p * tl.load(vs_ptr + base // D + n, mask=nm, other=0.0)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
     tl.store(m_ptr + out, m_i, mask=qm)
@@ -152,10 +178,10 @@ def _attn_chunk(start, end, split, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, pad_ptr, done_ptr, counters_ptr, shared_ptr, m_ptr, l_ptr, acc_ptr,
-                         sm_scale, S, Hkv, STRIDE, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, pad_ptr, done_ptr, counters_ptr, shared_ptr, m_ptr,
+                         l_ptr, acc_ptr, sm_scale, S, Hkv, STRIDE, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                          BLOCK_N: tl.constexpr, N_GROUP: tl.constexpr, ROWS: tl.constexpr, Q_PAD: tl.constexpr,
-                         PREC: tl.constexpr, PDL: tl.constexpr):
+                         PREC: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
     """Program (row b, kv head h, chunk c of C): online softmax of the G query heads of h over chunk c of
     the row's own cache columns [start, col] (start = max(pad_b, shared), C chunks of whole blocks of
     BLOCK_N, as even as that allows: they follow the current column, so every program has work from
@@ -183,14 +209,16 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, pad_ptr, done_ptr, counters_ptr,
             i = j // G  # (row b + i, query head h·G + j % G)
             qrow = (b + i) * (Hkv * G) + h * G + j % G
             ok = (j < ROWS * G) & (b % N_GROUP + i < N_GROUP)
-            _attn_part(q_ptr, kc_ptr, vc_ptr, m_ptr, l_ptr, acc_ptr, qrow, ok, (first * Hkv + h).to(tl.int64) * S * D,
-                       lo, hi, qrow * STRIDE + tl.num_programs(1) + split, sm_scale, Q_PAD, D, BLOCK_N, PREC)
+            _attn_part(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, m_ptr, l_ptr, acc_ptr, qrow, ok,
+                       (first * Hkv + h).to(tl.int64) * S * D, lo, hi, qrow * STRIDE + tl.num_programs(1) + split,
+                       sm_scale, Q_PAD, D, BLOCK_N, PREC, FP8)
     lo, hi = _attn_chunk(tl.maximum(tl.load(pad_ptr + b), shared), tl.load(counters_ptr) + 1, split, BLOCK_N)
     hi = tl.where(tl.load(done_ptr + b) != 0, lo, hi)
     g = tl.arange(0, G_PAD)
     qrow = b * (Hkv * G) + h * G + g  # (G_PAD,) rows of q (M·Hq, D)
-    _attn_part(q_ptr, kc_ptr, vc_ptr, m_ptr, l_ptr, acc_ptr, qrow, g < G, (b * Hkv + h).to(tl.int64) * S * D,
-               lo, hi, qrow * STRIDE + split, sm_scale, G_PAD, D, BLOCK_N, PREC)
+    _attn_part(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, m_ptr, l_ptr, acc_ptr, qrow, g < G,
+               (b * Hkv + h).to(tl.int64) * S * D, lo, hi, qrow * STRIDE + split, sm_scale, G_PAD, D, BLOCK_N, PREC,
+               FP8)
 
 
 @triton.jit

@@ -70,6 +70,8 @@ def test_the_parts_are_what_a_tiny_model_allocates():
     assert 20 * sum(p.numel() for p in norms) == memory.trained_bytes(cfg, 4)["norms"]
     cache = rollout.KVCache(cfg, 3, 40, BF16, "cpu")
     assert cache.k.numel() * 2 + cache.v.numel() * 2 == 3 * 40 * memory.kv_bytes_per_token(cfg)
+    fp8 = rollout.KVCache(cfg, 3, 40, BF16, "cpu", kv="fp8")  # a byte a value, a float32 scale a vector
+    assert sum(getattr(fp8, n).nbytes for n in fp8.tensors()) == 3 * 40 * memory.kv_bytes_per_token(cfg, BF16, "fp8")
 
 
 def test_the_engines_lora_copies():

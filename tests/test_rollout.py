@@ -291,6 +291,57 @@ def test_finished_rows_leave_the_batch_and_the_stats_say_so(hf_folder):
     assert sum(k for _, k, _ in segments) == steps - 1 and all(sec >= 0 for _, _, sec in segments)
 
 
+def test_fp8_cache_quantizer():
+    """rollout.kv_e4m3: one scale a vector, amax / 448, so that each vector's largest element becomes ±448
+    exactly and the rest keep E4M3's precision: within half a step of 2^-3 relative (normal values) or of
+    2^-9 absolute (subnormal ones, below 2^-6), in units of the scale. A zero vector stays zero."""
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(5, 3, 32, generator=g) * torch.logspace(-4, 3, 15).view(5, 3, 1)  # vectors of every size
+    t[0, 0] = 0.0
+    t[1, 1, 7] = 80.0 * t[1, 1].abs().max()  # an outlier
+    q, s = rollout.kv_e4m3(t)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == t.shape and s.shape == t.shape[:-1] and s.dtype == torch.float32
+    assert torch.equal(q[0, 0].float(), torch.zeros(32)) and torch.isfinite(s).all()
+    top = q.float().abs().amax(-1)
+    assert torch.equal(top[1:], torch.full_like(top[1:], 448.0)) and torch.equal(top[0, 1:], torch.full((2,), 448.0))
+    scaled = t / s[..., None]
+    err = (q.float() - scaled).abs()
+    bound = torch.where(scaled.abs() >= 2 ** -6, scaled.abs() * 2 ** -4, torch.full_like(scaled, 2 ** -10))
+    assert (err <= bound * (1 + 1e-6)).all()
+    assert torch.equal(rollout.kv_dequant(q, s, torch.float32), q.float() * s[..., None])
+
+
+def test_fp8_cache_is_the_model_cache_quantized_on_store(hf_folder, monkeypatch):
+    """kv_cache="fp8" stores E4M3 and a scale, and every query attends to their product: the same rollout,
+    bit for bit, as a model-dtype cache that is handed kv_dequant(kv_e4m3(k)) instead of k (and v), through
+    a prefill shared by 4 samples and rows that leave the batch as they stop (so the scales follow their
+    rows: KVCache.repeat_rows, keep_rows). And not the plain cache's rollout."""
+    _, model = load(hf_folder, seed=12)
+    prompts = prompts_of([3, 6, 2, 5], 97, seed=13)
+    kw = dict(n=4, max_new_tokens=40, temperature=1.3, stop_ids=set(range(3, 97, 9)), seed=5, kernels="torch")
+    fp8 = rollout.generate(model, prompts, kv_cache="fp8", **kw)
+    exact = rollout.generate(model, prompts, **kw)
+
+    class QuantizedOnStore(rollout.KVCache):
+        def attend(self, layer, q, k, v):
+            k, v = (rollout.kv_dequant(*rollout.kv_e4m3(t), t.dtype) for t in (k, v))
+            return super().attend(layer, q, k, v)
+
+    monkeypatch.setattr(rollout, "KVCache", QuantizedOnStore)
+    fake = rollout.generate(model, prompts, **kw)
+    assert fp8.stats["shrinks"]
+    for name in ("tokens", "logprobs", "lengths"):
+        assert torch.equal(getattr(fp8, name), getattr(fake, name)), name
+    assert (fp8.logprobs[:, :2] - exact.logprobs[:, :2]).abs().max() > 1e-3
+
+
+def test_kv_cache_option_is_checked(hf_folder):
+    _, model = load(hf_folder, with_lora=False)
+    for kernels in ("torch", "triton"):
+        with pytest.raises(ValueError, match="kv_cache must be one of"):
+            rollout.generate(model, [[1, 2]], max_new_tokens=2, kv_cache="int8", kernels=kernels)
+
+
 def test_the_watch_only_watches(hf_folder):
     """The sampler's pieces without the bookkeeping: sample() with no Watch gives the same rollout bit for bit
     as generate (which watches), and an empty stats; the pieces compose as sample does."""

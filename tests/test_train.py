@@ -22,8 +22,10 @@ import fp4_gemm
 import grpo
 import hub
 import lora
+import memory
 import model as M
 import recipes
+import rollout
 import runs
 import train
 from logprobs import completion_logprobs, micro_batches
@@ -609,6 +611,26 @@ def test_a_rollout_in_several_calls_is_the_rollout_in_one():
     # hidden size) may round in another order: within 128 units of float32 rounding of the value's size.
     bound = 128 * torch.finfo(torch.float32).eps * (1 + one.logprobs[:, :T].abs())
     assert ((split.logprobs[:, :T] - one.logprobs[:, :T]).abs() <= bound).all()
+
+
+def test_fp8_kv_reaches_the_rollout_and_the_plan(monkeypatch):
+    """--fp8-kv: every rollout.generate call of the step stores its cache in FP8 (the sampler's numbers then
+    differ from the default's), and the memory plan counts the FP8 cache's bytes."""
+    model, tokenizer = adapters.load_policy("tiny", quant="nvfp4")
+    prompts = [tokenizer.encode(f"{a}+{a}=") for a in range(3)]
+    out, asked = {}, []
+    generate = rollout.generate
+    monkeypatch.setattr(rollout, "generate", lambda *a, **k: asked.append(k["kv_cache"]) or generate(*a, **k))
+    for flags in ([], ["--fp8-kv"]):
+        args = recipes.parse(["--group-size", "3", "--max-new-tokens", "12"] + flags)
+        out[bool(flags)] = train.sample(model, prompts, args, hub.stop_token_ids(tokenizer), None, 0, 1234, per_call=2)
+    assert asked == ["model", "model", "fp8", "fp8"]
+    assert not torch.equal(out[True].logprobs, out[False].logprobs)
+    cfg = model.config
+    kw = dict(prompts=8, group_size=8, prompt_len=64, max_new_tokens=256, micro_batch=8, lora_rank=8)
+    plans = {kv: memory.plan(cfg, None, kv_cache=kv, **kw) for kv in rollout.KV_CACHES}
+    assert plans["fp8"].rollout["kv cache"] == 64 * memory.cache_columns(64, 256) * \
+        memory.kv_bytes_per_token(cfg, torch.bfloat16, "fp8") < plans["model"].rollout["kv cache"]
 
 
 def test_a_16_bit_run_logs_no_noise_and_an_nvfp4_run_does(tmp_path):

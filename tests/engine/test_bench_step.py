@@ -14,17 +14,21 @@ def tiny_shape():
 
 
 def test_rl_step_runs_and_moves_lora_on_every_base():
-    """bf16, NVFP4, and NVFP4 with the update on FP8 tensor cores, whose sampler-trainer mismatch is the
-    largest (the sampler decodes the exact NVFP4 weights; the update rounds them and x to E4M3)."""
+    """bf16, NVFP4, NVFP4 with the update on FP8 tensor cores, whose sampler-trainer mismatch is the largest
+    (the sampler decodes the exact NVFP4 weights; the update rounds them and x to E4M3), and NVFP4 with the
+    rollout's KV cache in FP8, whose mismatch grows too."""
     a = bench_step.parse_args("--prompts 2 --group-size 3 --prompt-len 5 --new-tokens 6 --steps 1 --lora-rank 4 "
                               "--micro-batch 4 --decode-batch1".split())
     res = {}
     fp8 = fp4_gemm.fp8_supported(torch.device("cpu"))  # (torch 2.11's CPU _scaled_mm: one scale a tensor only)
-    for mode in bench_step.MODES if fp8 else ("bf16", "nvfp4"):
+    for mode in bench_step.MODES[:3] if fp8 else ("bf16", "nvfp4"):
         r = res[mode] = bench_step.run_mode(a, mode, torch.device("cpu"), tiny_shape())
         assert r["mode"] == mode and r["rollout_tok_s"] > 0 and r["update_tok_s"] > 0 and r["batch1_tok_s"] > 0
         assert r["mean_len"] == 6 and r["grad_norm"] > 0  # forced length; the update really had a gradient
     assert not fp8 or res["nvfp4+fp8"]["mismatch_kl"] > 10 * res["nvfp4"]["mismatch_kl"]
+    r = bench_step.run_mode(a, "nvfp4+fp8kv", torch.device("cpu"), tiny_shape())  # the rollout's cache in FP8
+    assert r["plan"]["rollout_rows"] == 6 and r["mean_len"] == 6 and r["grad_norm"] > 0
+    assert r["mismatch_kl"] > 10 * res["nvfp4"]["mismatch_kl"]  # (the trainer recomputes K/V in 16 bits)
     with pytest.raises(SystemExit):  # (argparse's error names the allowed ones)
         bench_step.parse_args(["--modes", "nvfp4,fp8"])
 

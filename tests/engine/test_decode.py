@@ -183,6 +183,35 @@ def test_finished_rows_leave_the_batch(hf_folder, kernels, n, shrinks):
         assert live <= n_rows < 2 * live
 
 
+@pytest.mark.parametrize("kernels", ["torch", pytest.param("triton", marks=[interpreted, pytest.mark.filterwarnings(
+    "ignore:invalid value encountered in subtract:RuntimeWarning")])])
+def test_fp8_cache_equals_the_plain_samplers(hf_folder, kernels):
+    """kv_cache="fp8" (rollout.KVCache): the engine's rollout, its live rows moved to fewer states as they stop,
+    against the plain sampler's with the same cache: the same tokens, stops and lengths, logprobs within 5e-3.
+    Not 1e-4 as elsewhere: the two compute K and V in different fp32 orders, and a last-bit difference can move
+    an element across an E4M3 rounding boundary (a step of up to 2^-3 of it). The cache itself is not what
+    differs: after the prefill the engine's first layer holds, bit for bit, rollout.kv_e4m3 of what the
+    model-dtype engine stores there (that layer's K/V do not depend on the attention). The FP8 cache moves the
+    logprobs by ~2e-2 here, beyond that tolerance (so a cache left in the model dtype fails)."""
+    _, model = load(hf_folder, seed=12)
+    prompts = prompts_of([3, 6, 2, 5], 97, seed=13)
+    kw = dict(n=3, max_new_tokens=30, temperature=1.3, stop_ids=set(range(3, 97, 9)), seed=5)
+    plain = rollout.generate(model, prompts, kernels="torch", kv_cache="fp8", **kw)
+    got = decode.generate(model, prompts, kernels=kernels, kv_cache="fp8", **kw)
+    assert got.stats["shrinks"] and plain.stats["shrinks"]
+    assert_same_rollout(got, plain, atol=5e-3)
+    exact = rollout.generate(model, prompts, kernels="torch", **kw)
+    assert (exact.logprobs[:, :2] - plain.logprobs[:, :2]).abs().max() > 1e-2
+    first = {}
+    for kv in ("model", "fp8"):  # (one greedy token: the prefill alone writes the cache)
+        decode.generate(model, prompts, n=2, max_new_tokens=1, temperature=0.0, kernels=kernels, kv_cache=kv)
+        st = next(iter(decode.decoder_of(model).states.values()))
+        first[kv] = [getattr(st, name)[0, :, :, :6].clone() for name in decode.decoder_of(model).cache_tensors]
+    k8, v8, ks, vs = first["fp8"]
+    for (q, scale), (q_ref, s_ref) in zip(((k8, ks), (v8, vs)), map(rollout.kv_e4m3, first["model"])):
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(scale, s_ref)
+
+
 def test_every_smaller_state_is_captured_with_the_full_one(hf_folder, monkeypatch):
     """With graphs, run captures the step of every state shrink may move rows into (1, 2, 4, ... half the
     rows) with the full state's, before the call's prefill, so that a later call captures nothing whichever
@@ -415,6 +444,35 @@ def test_gpu_nvfp4_lora_decode_in_bf16(hf_folder, prompts, n, kernel):
     err, effect = error_and_adapter_effect(model, prompts, n, r)
     print(f"n={n}: |decode - full forward| {err:.4f}, |without - with adapters| {effect:.4f}")
     assert err < 0.1 * effect
+
+
+@gpu
+@pytest.mark.parametrize("prompts,n", [(4, 1), (5, 8)])
+def test_gpu_fp8_cache_graphed_in_bf16(hf_folder, prompts, n):
+    """The FP8 cache through the graphed bf16 NVFP4 step (4 and 40 rows): its first layer's cache after the
+    prefill is, bit for bit, rollout.kv_e4m3 of what the model-dtype cache holds there; its logprobs are
+    within the same distance of the plain sampler's with the FP8 cache as the model-dtype engine's are of
+    the plain sampler's (bf16 rounding: a tenth of the adapters' effect), the FP8 cache's own effect on top."""
+    model = gpu_lora_model(hf_folder, seed=11)
+    prompts = prompts_of([13, 4, 30, 7, 19][:prompts], 97, seed=12)
+    kw = dict(n=n, max_new_tokens=24, temperature=1.0, seed=3)
+    first = {}
+    for kv in ("model", "fp8"):
+        decode.generate(model, prompts, n=n, max_new_tokens=1, temperature=0.0, kernels="triton", kv_cache=kv)
+        st = next(iter(decode.decoder_of(model).states.values()))
+        first[kv] = [getattr(st, c)[0, :, :, :30].clone() for c in decode.decoder_of(model).cache_tensors]
+    k8, v8, ks, vs = first["fp8"]
+    for (q, scale), (q_ref, s_ref) in zip(((k8, ks), (v8, vs)), map(rollout.kv_e4m3, first["model"])):
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(scale, s_ref)
+    r = rollout.generate(model, prompts, kernels="triton", graphs=True, kv_cache="fp8", **kw)
+    assert r.stats["graphs"]
+    err, effect = error_and_adapter_effect(model, prompts, n, r)  # (the full forward: K/V in bf16)
+    ref = rollout.generate(model, prompts, kernels="torch", kv_cache="fp8", **kw)
+    same = r.tokens == ref.tokens
+    lp_err = (r.logprobs - ref.logprobs).abs()[same & r.mask].mean().item()
+    print(f"n={n}: |fp8-cache decode - full forward| {err:.4f}, |its torch form| {lp_err:.4f}, "
+          f"|without - with adapters| {effect:.4f}")
+    assert lp_err < 0.1 * effect and err < 0.3 * effect
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
