@@ -135,11 +135,22 @@ def _attn_part(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, m_ptr, l_ptr, acc_ptr, qro
                QP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr):
     """Online softmax of the QP query rows `qrow` (mask qm) over the cache columns [lo, hi) at `base` (one
     row's one kv head); its max, sum and weighted values stored at `out` (the values only if a column was
-    read: the combine does not read them from an empty slot). FP8: the cache's E4M3 keys and values are
-    multiplied by their column's scale (ks / vs at base / D) where it factors out: a key's into its column
-    of scores, a value's into its column's softmax weight."""
+    read: the combine does not read them from an empty slot).
+
+    FP8: the cache's E4M3 keys and values, with their column's scale (ks / vs at base / D) multiplied in where
+    it factors out: a key's into its column of scores, a value's into its column's softmax weight. A 16-bit
+    model's products then run in float16, which E4M3 converts to in one instruction a pair (bf16 takes
+    several, and made the attention cost more a byte than the 16-bit cache's: results/fp8_kv.md): q divided
+    by its row's largest element, the weights times the value scales by the block's largest scale, so that
+    both sit in [-1, 1], and those factors multiplied back in float32."""
     d = tl.arange(0, D)
     q = tl.load(q_ptr + qrow[:, None] * D + d[None, :], mask=qm[:, None], other=0.0)  # (QP, D)
+    if FP8:
+        T = tl.float32 if q.dtype == tl.float32 else tl.float16
+        qf = q.to(tl.float32)
+        qmax = tl.maximum(tl.max(tl.abs(qf), 1), 1e-30)  # (QP,)
+        q = (qf / qmax[:, None]).to(T)
+        q_scale = qmax * sm_scale
     m_i = tl.full([QP], float("-inf"), tl.float32)
     l_i = tl.zeros([QP], tl.float32)
     acc = tl.zeros([QP, D], tl.float32)
@@ -147,18 +158,24 @@ def _attn_part(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, m_ptr, l_ptr, acc_ptr, qro
         n = n0 + tl.arange(0, BLOCK_N)
         nm = n < hi
         k = tl.load(kc_ptr + base + n[:, None] * D + d[None, :], mask=nm[:, None], other=0.0)  # (BLOCK_N, D)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * sm_scale  # (QP, BLOCK_N)
         if FP8:
-            s = s * tl.load(ks_ptr + base // D + n, mask=nm, other=0.0)[None, :]
+            sk = tl.load(ks_ptr + base // D + n, mask=nm, other=0.0)
+            s = tl.dot(q, tl.trans(k.to(T)), input_precision=PREC) * q_scale[:, None] * sk[None, :]  # (QP, BLOCK_N)
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * sm_scale
         s = tl.where(nm[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(vc_ptr + base + n[:, None] * D + d[None, :], mask=nm[:, None], other=0.0).to(q.dtype)
+        v = tl.load(vc_ptr + base + n[:, None] * D + d[None, :], mask=nm[:, None], other=0.0)
         if FP8:
-            p = p * tl.load(vs_ptr + base // D + n, mask=nm, other=0.0)[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+            sv = tl.load(vs_ptr + base // D + n, mask=nm, other=0.0)
+            top = tl.max(sv, 0)  # (> 0: the block holds a column, and a scale is at least 1e-30 / 448)
+            pv = tl.dot((p * (sv / top)[None, :]).to(T), v.to(T), input_precision=PREC)
+            acc = acc * alpha[:, None] + pv * top
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
     tl.store(m_ptr + out, m_i, mask=qm)
     tl.store(l_ptr + out, l_i, mask=qm)
