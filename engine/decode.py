@@ -32,9 +32,9 @@ loop:
 
 An option, off by default (generate's kv_cache="fp8", train.py --fp8-kv): the cache in E4M3 with a float32
 scale a (row, kv head, column), rollout.KVCache's form: about half the cache's bytes, so more rows a call
-(the FP8 attention is not yet faster a step: results/fp8_kv.md). The K/V write quantizes
-(_rope_write_kernel), and the attention multiplies each column's scale in where it factors out: a key's
-into the column's scores, a value's into its softmax weight (_attn_part).
+(its speed: results/fp8_kv.md). The K/V write quantizes (_rope_write_kernel), and the attention multiplies
+each column's scale in where it factors out: a key's into the column's scores, a value's into its softmax
+weight (_attn_part).
 
 LoRA stays unmerged: its A's and B's are copied at the start of every call, in the model's dtype with
 alpha/r folded into B, into buffers the graph reads. AQN (aqn.py) perturbs the RMSNorm weights in place;

@@ -139,10 +139,10 @@ def _attn_part(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, m_ptr, l_ptr, acc_ptr, qro
 
     FP8: the cache's E4M3 keys and values, with their column's scale (ks / vs at base / D) multiplied in where
     it factors out: a key's into its column of scores, a value's into its column's softmax weight. A 16-bit
-    model's products then run in float16, which E4M3 converts to in one instruction a pair (bf16 takes
-    several, and made the attention cost more a byte than the 16-bit cache's: results/fp8_kv.md): q divided
-    by its row's largest element, the weights times the value scales by the block's largest scale, so that
-    both sit in [-1, 1], and those factors multiplied back in float32."""
+    model's products then run in float16, which E4M3 converts to in one instruction a pair (to bf16 Triton
+    takes several an element: results/fp8_kv.md): q divided by its row's largest element, the weights times
+    the value scales by the block's largest scale, so that both sit in [-1, 1], and those factors multiplied
+    back in float32."""
     d = tl.arange(0, D)
     q = tl.load(q_ptr + qrow[:, None] * D + d[None, :], mask=qm[:, None], other=0.0)  # (QP, D)
     if FP8:
