@@ -257,8 +257,8 @@ class KVCache:
     (prompts are left-padded). `valid` (B, S) is False at padding, which no query may attend to.
     kv="fp8": k, v are stored in E4M3 with one float32 scale a (row, kv head, column) in ks, vs (L, B, Hkv, S)
     (kv_e4m3), about half the cache's bytes; every query attends to the dequantized keys and values, the
-    prompt's own included. An option (generate's kv_cache): it changes the
-    sampler's numbers, and so its distance from the trainer's, which recomputes K/V in 16 bits."""
+    prompt's own included. An option (generate's kv_cache): it changes the sampler's numbers, and so its
+    distance from the trainer's, which recomputes K/V in 16 bits."""
 
     def __init__(self, cfg, batch, max_len, dtype, device, kv="model"):
         if kv not in KV_CACHES:
@@ -281,8 +281,8 @@ class KVCache:
         if s + T > self.k.shape[3]:
             raise ValueError(f"KV cache overflow: {s + T} tokens for a cache of {self.k.shape[3]}")
         if self.fp8:
-            (self.k[layer, :, :, s:s + T], self.ks[layer, :, :, s:s + T]), \
-                (self.v[layer, :, :, s:s + T], self.vs[layer, :, :, s:s + T]) = kv_e4m3(k), kv_e4m3(v)
+            self.k[layer, :, :, s:s + T], self.ks[layer, :, :, s:s + T] = kv_e4m3(k)
+            self.v[layer, :, :, s:s + T], self.vs[layer, :, :, s:s + T] = kv_e4m3(v)
             keys = kv_dequant(self.k[layer, :, :, :s + T], self.ks[layer, :, :, :s + T], self.dtype)
             values = kv_dequant(self.v[layer, :, :, :s + T], self.vs[layer, :, :, :s + T], self.dtype)
         else:

@@ -456,8 +456,10 @@ class Decoder:
         heads = lambda t, H: t.reshape(P, T, H, D).transpose(1, 2)  # (P·T, H·D) → (P, H, T, D)
         q, k = apply_rope(heads(q, Hq), heads(k, Hkv), *cache.cos_sin)
         both, n = cache.rows(P)[0], cache.n
-        for name, t in zip(self.cache_tensors, self.stored(k, heads(v, Hkv))):
-            getattr(cache.st, name)[layer, both, :, :T] = t.repeat_interleave(n, 0) if n > 1 else t
+        copies = lambda t: t.repeat_interleave(n, 0) if n > 1 else t  # (before the FP8 cache's quantizer: torch's
+        # repeat does not take E4M3 everywhere)
+        for name, t in zip(self.cache_tensors, self.stored(copies(k), copies(heads(v, Hkv)))):
+            getattr(cache.st, name)[layer, both, :, :T] = t
         return q
 
     def _rope_write(self, qkv, a, grp, st, layer, q, pad, prompt=None):
@@ -916,6 +918,7 @@ def generate(model, prompts, *, n=1, max_new_tokens=256, temperature=1.0, top_p=
     was_training = model.training
     model.eval()
     try:
-        return _decoder(model, kernels, graphs, kv_cache).run(prompts, n, max_new_tokens, sp, seed, stream, compact=compact)
+        dec = _decoder(model, kernels, graphs, kv_cache)
+        return dec.run(prompts, n, max_new_tokens, sp, seed, stream, compact=compact)
     finally:
         model.train(was_training)

@@ -160,9 +160,9 @@ def _attn_part(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, m_ptr, l_ptr, acc_ptr, qro
         k = tl.load(kc_ptr + base + n[:, None] * D + d[None, :], mask=nm[:, None], other=0.0)  # (BLOCK_N, D)
         if FP8:
             sk = tl.load(ks_ptr + base // D + n, mask=nm, other=0.0)
-            s = tl.dot(q, tl.trans(k.to(T)), input_precision=PREC) * q_scale[:, None] * sk[None, :]  # (QP, BLOCK_N)
+            s = tl.dot(q, tl.trans(k.to(T)), input_precision=PREC) * q_scale[:, None] * sk[None, :]
         else:
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * sm_scale
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * sm_scale  # (QP, BLOCK_N)
         s = tl.where(nm[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
@@ -196,9 +196,9 @@ def _attn_chunk(start, end, split, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, pad_ptr, done_ptr, counters_ptr, shared_ptr, m_ptr,
-                         l_ptr, acc_ptr, sm_scale, S, Hkv, STRIDE, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                         BLOCK_N: tl.constexpr, N_GROUP: tl.constexpr, ROWS: tl.constexpr, Q_PAD: tl.constexpr,
-                         PREC: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
+                         l_ptr, acc_ptr, sm_scale, S, Hkv, STRIDE, G: tl.constexpr, G_PAD: tl.constexpr,
+                         D: tl.constexpr, BLOCK_N: tl.constexpr, N_GROUP: tl.constexpr, ROWS: tl.constexpr,
+                         Q_PAD: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
     """Program (row b, kv head h, chunk c of C): online softmax of the G query heads of h over chunk c of
     the row's own cache columns [start, col] (start = max(pad_b, shared), C chunks of whole blocks of
     BLOCK_N, as even as that allows: they follow the current column, so every program has work from

@@ -300,7 +300,8 @@ def test_fp8_cache_quantizer():
     t[0, 0] = 0.0
     t[1, 1, 7] = 80.0 * t[1, 1].abs().max()  # an outlier
     q, s = rollout.kv_e4m3(t)
-    assert q.dtype == torch.float8_e4m3fn and q.shape == t.shape and s.shape == t.shape[:-1] and s.dtype == torch.float32
+    assert q.dtype == torch.float8_e4m3fn and q.shape == t.shape
+    assert s.shape == t.shape[:-1] and s.dtype == torch.float32
     assert torch.equal(q[0, 0].float(), torch.zeros(32)) and torch.isfinite(s).all()
     top = q.float().abs().amax(-1)
     assert torch.equal(top[1:], torch.full_like(top[1:], 448.0)) and torch.equal(top[0, 1:], torch.full((2,), 448.0))
