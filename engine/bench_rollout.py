@@ -280,8 +280,8 @@ def _profile(model, batch, prompt_len, steps=4, copy_tb_s=None, kv_cache="model"
 
     V = model.config.vocab_size
     prompts = torch.randint(0, V, (batch, prompt_len), generator=torch.Generator().manual_seed(0)).tolist()
-    generate(model, prompts, max_new_tokens=2, graphs=False, stop_ids=(), seed=0, kv_cache=kv_cache)  # compiles;
-    # leaves a filled cache
+    # (compiles, and leaves a filled cache)
+    generate(model, prompts, max_new_tokens=2, graphs=False, stop_ids=(), seed=0, kv_cache=kv_cache)
     dec = model.__dict__["_rollout_decoder"]
     st = next(reversed(dec.states.values()))
     sp = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, pad_id=0, stop_ids=())
