@@ -534,8 +534,7 @@ def tap(argv):
         train_argv = train_argv[1:]
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, "heldout.jsonl")
-    if "--resume" not in train_argv or not os.path.exists(path):
-        open(path, "w").close()
+    probe.start_records(path, train_argv)
     state = {"step": None}
     real_step_metrics, real_evaluate, real_restore = logs.step_metrics, ev.evaluate, runs.restore
 

@@ -39,6 +39,13 @@ import tasks  # noqa: E402
 import train  # noqa: E402
 
 
+def start_records(path, train_argv):
+    """A tap's records file: emptied for a new run; kept for a resumed one (--resume among train.py's flags),
+    whose runs.restore tap cuts it back to the steps the checkpoint holds."""
+    if "--resume" not in train_argv or not os.path.exists(path):
+        open(path, "w").close()
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) < 1 or argv[0].startswith("-"):
@@ -47,8 +54,7 @@ def main(argv=None):
     if train_argv[:1] == ["--"]:
         train_argv = train_argv[1:]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    if "--resume" not in train_argv or not os.path.exists(path):
-        open(path, "w").close()
+    start_records(path, train_argv)
 
     state = {"in_eval": False, "correct": [], "nll": 0.0, "tokens": 0, "rollouts": 0, "steps": 0}
     real_generate, real_reward, real_evaluate, real_format, real_restore = rollout.generate, tasks.reward, \
