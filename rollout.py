@@ -232,7 +232,16 @@ def sample_reference(logits, rowkey, step, temperature=1.0, top_p=1.0, top_k=0):
 # The static KV cache (model.py's cache interface: attend, advance, length)
 # ---------------------------------------------------------------------------------------------
 
-KV_CACHES = ("model", "fp8")  # what the cache stores: K/V in the model's dtype, or in E4M3 (kv_e4m3)
+# what the cache stores (K/V in the model's dtype, or in E4M3 with their scales: kv_e4m3) → the tensors that
+# hold it, a row each along dim 1 (KVCache's, and the engine's states')
+KV_TENSORS = {"model": ("k", "v"), "fp8": ("k", "v", "ks", "vs")}
+KV_CACHES = tuple(KV_TENSORS)
+
+
+def check_kv_cache(kv):
+    """generate's kv_cache (and KVCache's, the engine's kv) must be one of KV_CACHES."""
+    if kv not in KV_CACHES:
+        raise ValueError(f"kv_cache must be one of {KV_CACHES}, got {kv!r}")
 
 
 def kv_e4m3(t):
@@ -240,7 +249,8 @@ def kv_e4m3(t):
     D-vector (one token's key or value in one kv head): scale = amax / 448 (E4M3's largest value), q =
     E4M3(t · 448 / amax), rounded to nearest even. One scale a vector keeps a head's outlier tokens from
     crushing the others; E4M3's 3 mantissa bits leave each element a rounding error of up to 2^-4
-    relative. (The engine's cache-writing kernel computes the same bits.)"""
+    relative. (The engine's cache-writing kernel computes the same bits; the FP8 update quantizes its rows
+    with it too: engine/fp8.py.)"""
     v = t.float()
     amax = v.abs().amax(-1, keepdim=True).clamp_min(1e-30)  # (an all-zero vector quantizes to zeros)
     m = torch.full_like(amax, 448.0)  # (a tensor: torch computes `448.0 / a` as 448 · (1 / a), two roundings)
@@ -261,10 +271,9 @@ class KVCache:
     distance from the trainer's, which recomputes K/V in 16 bits."""
 
     def __init__(self, cfg, batch, max_len, dtype, device, kv="model"):
-        if kv not in KV_CACHES:
-            raise ValueError(f"kv_cache must be one of {KV_CACHES}, got {kv!r}")
+        check_kv_cache(kv)
         shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-        self.fp8, self.dtype = kv == "fp8", dtype
+        self.kv, self.fp8, self.dtype = kv, kv == "fp8", dtype
         stored = torch.float8_e4m3fn if self.fp8 else dtype
         self.k = torch.zeros(shape, dtype=stored, device=device)
         self.v = torch.zeros(shape, dtype=stored, device=device)
@@ -300,7 +309,7 @@ class KVCache:
 
     def tensors(self):
         """The names of the tensors that hold the cache, a row each along dim 1."""
-        return ("k", "v", "ks", "vs") if self.fp8 else ("k", "v")
+        return KV_TENSORS[self.kv]
 
     def keep_rows(self, rows):
         """Only these rows from now on (a bool mask or indices over the rows): the finished ones leave."""
@@ -520,8 +529,7 @@ def generate(model, prompts, *, n=1, max_new_tokens=256, temperature=1.0, top_p=
     file's sampler always moves them). kv_cache: "model" (K/V in the model's dtype) or "fp8" (E4M3 with a
     scale a token and kv head, KVCache: about half the cache's memory, an option that moves the sampler's
     numbers away from the trainer's)."""
-    if kv_cache not in KV_CACHES:
-        raise ValueError(f"kv_cache must be one of {KV_CACHES}, got {kv_cache!r}")
+    check_kv_cache(kv_cache)
     # ---- the one dispatch point: the fast engine, where a GPU is there ------------------------------
     if uses_engine(model, kernels):
         from engine import decode

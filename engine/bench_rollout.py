@@ -331,6 +331,7 @@ def bench(args):
           f"in {args.kv_cache} {'(E4M3, a scale a token and kv head)' if args.kv_cache == 'fp8' else 'dtype'}",
           flush=True)
     rows, notes = [], []
+    asked = {"kernels": args.kernels, "graphs": args.graphs, "kv_cache": args.kv_cache}  # (the table's rows)
     models = [("7b", q) for q in args.quants] + ([(args.big_size, "nvfp4")] if args.big else [])
     for size, quant in models:
         gc.collect()
@@ -362,7 +363,7 @@ def bench(args):
                 print(line, flush=True)
                 notes.append(line)
             for batch, kw in runs:
-                kw = {"kernels": args.kernels, "graphs": args.graphs, "kv_cache": args.kv_cache, **kw}
+                kw = {**asked, **kw}
                 tokens = args.new_tokens if kw["graphs"] is not False else 64  # eager is slow: fewer steps
                 try:
                     res = _bench_one(model, batch, args.prompt_len, tokens, seed=batch, **kw)
@@ -380,14 +381,14 @@ def bench(args):
                         f"{res['first_prefill_ms']:.0f})  compile+capture {res['capture_s']:.1f} s  "
                         f"(kernels {res['kernels']}, graphs {res['graphs']})")
                 print(line, flush=True)
-                if kw == {"kernels": args.kernels, "graphs": args.graphs, "kv_cache": args.kv_cache}:
+                if kw == asked:
                     rows.append(res)
                 else:
                     notes.append("variant " + line)
                 write_outputs(args, props, copy_tb_s, rows, notes)  # (after every row: a run cut short keeps them)
             for batch in (args.batches if args.early_stop and size == "7b" else []):
-                kw = {"kernels": args.kernels, "graphs": args.graphs, "kv_cache": args.kv_cache}
-                r = _bench_early_stop(model, batch, args.prompt_len, args.new_tokens, args.early_stop, seed=batch, **kw)
+                r = _bench_early_stop(model, batch, args.prompt_len, args.new_tokens, args.early_stop, seed=batch,
+                                      **asked)
                 off, on = r[False], r[True]
                 how = lambda x: (f"{x['s']:.2f} s a rollout ({x['tok_s']:.0f} tok/s; {x['stopped']} rows stopped, mean "
                                  f"{x['mean']:.0f} tokens, longest {x['longest']}, steps {x['steps']})")

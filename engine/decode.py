@@ -334,14 +334,13 @@ class Decoder:
     def __init__(self, model, kernels="auto", graphs="auto", max_states=2, kv="model"):
         if kernels not in ("auto", "triton", "torch") or graphs not in ("auto", True, False):
             raise ValueError(f"kernels must be auto|triton|torch and graphs auto|True|False, got {kernels!r}, {graphs!r}")
-        if kv not in rollout.KV_CACHES:
-            raise ValueError(f"kv_cache must be one of {rollout.KV_CACHES}, got {kv!r}")
+        rollout.check_kv_cache(kv)
         # The model keeps its decoder (generate); a strong reference back would make a cycle, and only the
         # garbage collector would free the two (the caches and graphs with them), whenever it runs.
         self._model, self.cfg = weakref.ref(model), model.config
         self.opts = (kernels, graphs, kv)
         self.kv_fp8 = kv == "fp8"  # the cache in E4M3 with a scale a (row, kv head, column): rollout.KVCache
-        self.cache_tensors = ("k", "v", "ks", "vs") if self.kv_fp8 else ("k", "v")
+        self.cache_tensors = rollout.KV_TENSORS[kv]
         self.device, self.dtype = model.device, model.dtype
         self.triton = kernels == "triton" or (kernels == "auto" and self.device.type == "cuda")
         if self.triton and (self.cfg.head_dim < 32 or self.cfg.head_dim != _pow2(self.cfg.head_dim)):

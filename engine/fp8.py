@@ -33,7 +33,6 @@ import triton
 import triton.language as tl
 
 E4M3_MAX = 448.0  # E4M3's largest finite value (float8_e4m3fn)
-TINY = 1e-30  # a row of zeros gets this amax (and quantizes to zeros)
 
 
 def supported(device):
@@ -84,7 +83,7 @@ def _rows_e4m3_kernel(x_ptr, col_ptr, out_ptr, s_ptr, K, stride_x, BLOCK: tl.con
         if HAS_COL:
             v = v * tl.load(col_ptr + k, mask=k < K, other=0.0)
         amax = tl.maximum(amax, tl.abs(v))
-    a = tl.maximum(tl.max(amax, 0), 1e-30)  # (TINY, E4M3_MAX: a kernel reads no Python globals)
+    a = tl.maximum(tl.max(amax, 0), 1e-30)  # (rollout.kv_e4m3's floor, E4M3_MAX: a kernel reads no Python globals)
     inv = tl.math.div_rn(448.0, a)  # IEEE divisions, as torch's
     for k0 in range(0, K, BLOCK):
         k = k0 + tl.arange(0, BLOCK)
@@ -108,10 +107,11 @@ def rows_e4m3(t, col=None, kernel=None):
             _rows_e4m3_kernel[(M,)](t, col if col is not None else t, q, s, K, t.stride(0),
                                     BLOCK=min(2048, triton.next_power_of_2(K)), HAS_COL=col is not None, num_warps=8)
         return q, s
-    v = t.float() if col is None else t.float() * col
-    a = v.abs().amax(-1, keepdim=True).clamp_min(TINY)
-    m = torch.full_like(a, E4M3_MAX)  # (a tensor: `448.0 / a` is 448 · (1 / a) in torch, two roundings)
-    return (v * (m / a)).to(torch.float8_e4m3fn), a / m
+    import rollout  # (the FP8 KV cache's quantizer, the same rule: one scale a row, amax / 448; imported here,
+    # as fp4_gemm below: engine/plan.py imports this file)
+
+    q, s = rollout.kv_e4m3(t.float() if col is None else t.float() * col)
+    return q, s[:, None]
 
 
 def weight_e4m3(packed, scale_u8, gs, kernel=None, transpose=False):

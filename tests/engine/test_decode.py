@@ -183,6 +183,20 @@ def test_finished_rows_leave_the_batch(hf_folder, kernels, n, shrinks):
         assert live <= n_rows < 2 * live
 
 
+def assert_first_layer_cache_is_the_16_bit_one_quantized(model, prompts, n, kernels, columns):
+    """After a prefill (one greedy token: the prefill alone writes the cache), the FP8 engine's first layer
+    holds, in its first `columns` columns, bit for bit rollout.kv_e4m3 of what the model-dtype engine stores
+    there (that layer's K/V do not depend on the attention)."""
+    first = {}
+    for kv in ("model", "fp8"):
+        decode.generate(model, prompts, n=n, max_new_tokens=1, temperature=0.0, kernels=kernels, kv_cache=kv)
+        st = next(iter(decode.decoder_of(model).states.values()))
+        first[kv] = [getattr(st, c)[0, :, :, :columns].clone() for c in decode.decoder_of(model).cache_tensors]
+    k8, v8, ks, vs = first["fp8"]
+    for (q, scale), (q_ref, s_ref) in zip(((k8, ks), (v8, vs)), map(rollout.kv_e4m3, first["model"])):
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(scale, s_ref)
+
+
 @pytest.mark.parametrize("kernels", ["torch", pytest.param("triton", marks=[interpreted, pytest.mark.filterwarnings(
     "ignore:invalid value encountered in subtract:RuntimeWarning")])])
 def test_fp8_cache_equals_the_plain_samplers(hf_folder, kernels):
@@ -202,14 +216,7 @@ def test_fp8_cache_equals_the_plain_samplers(hf_folder, kernels):
     assert_same_rollout(got, plain, atol=5e-3)
     exact = rollout.generate(model, prompts, kernels="torch", **kw)
     assert (exact.logprobs[:, :2] - plain.logprobs[:, :2]).abs().max() > 1e-2
-    first = {}
-    for kv in ("model", "fp8"):  # (one greedy token: the prefill alone writes the cache)
-        decode.generate(model, prompts, n=2, max_new_tokens=1, temperature=0.0, kernels=kernels, kv_cache=kv)
-        st = next(iter(decode.decoder_of(model).states.values()))
-        first[kv] = [getattr(st, name)[0, :, :, :6].clone() for name in decode.decoder_of(model).cache_tensors]
-    k8, v8, ks, vs = first["fp8"]
-    for (q, scale), (q_ref, s_ref) in zip(((k8, ks), (v8, vs)), map(rollout.kv_e4m3, first["model"])):
-        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(scale, s_ref)
+    assert_first_layer_cache_is_the_16_bit_one_quantized(model, prompts, 2, kernels, columns=6)
 
 
 def test_every_smaller_state_is_captured_with_the_full_one(hf_folder, monkeypatch):
@@ -456,14 +463,7 @@ def test_gpu_fp8_cache_graphed_in_bf16(hf_folder, prompts, n):
     model = gpu_lora_model(hf_folder, seed=11)
     prompts = prompts_of([13, 4, 30, 7, 19][:prompts], 97, seed=12)
     kw = dict(n=n, max_new_tokens=24, temperature=1.0, seed=3)
-    first = {}
-    for kv in ("model", "fp8"):
-        decode.generate(model, prompts, n=n, max_new_tokens=1, temperature=0.0, kernels="triton", kv_cache=kv)
-        st = next(iter(decode.decoder_of(model).states.values()))
-        first[kv] = [getattr(st, c)[0, :, :, :30].clone() for c in decode.decoder_of(model).cache_tensors]
-    k8, v8, ks, vs = first["fp8"]
-    for (q, scale), (q_ref, s_ref) in zip(((k8, ks), (v8, vs)), map(rollout.kv_e4m3, first["model"])):
-        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(scale, s_ref)
+    assert_first_layer_cache_is_the_16_bit_one_quantized(model, prompts, n, "triton", columns=30)
     r = rollout.generate(model, prompts, kernels="triton", graphs=True, kv_cache="fp8", **kw)
     assert r.stats["graphs"]
     err, effect = error_and_adapter_effect(model, prompts, n, r)  # (the full forward: K/V in bf16)
