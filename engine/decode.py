@@ -106,7 +106,8 @@ def _attn_per_sm(stages, D, itemsize):
     """Programs of _attn_partial_kernel an SM holds at `stages` pipeline stages: Triton keeps stages - 1
     blocks of 64 columns of K and of V in shared memory, plus ~6 KB of its own (read off the compiled
     kernel: results/rollout_h200.md), and the GPU reserves 1 KB for every block; 8 KB a program covers
-    both with some margin. An SM has 228 KB: at D = 128 in bf16, 5, 3 or 2 programs."""
+    both with some margin. itemsize: the bytes a cached value takes (2, or 1 for the FP8 cache). An SM has
+    228 KB: at D = 128 in bf16, 5, 3 or 2 programs; in E4M3, 9, 5 or 4."""
     return 228 * 1024 // ((stages - 1) * 2 * 64 * D * itemsize + 8 * 1024)
 
 
@@ -256,7 +257,7 @@ class _State:
             self.stops = torch.full((16,), -1, **i64)
             pos = torch.arange(S, device=dev)[:, None].float() * dec.model.inv_freq[None]  # (S, D/2), as rope_cos_sin
             self.cos, self.sin = pos.cos().to(dt), pos.sin().to(dt)
-        self.attn_split, self.attn_stages = _attn_grid(N * Hkv, S, dec.sms, D, dt.itemsize)
+        self.attn_split, self.attn_stages = _attn_grid(N * Hkv, S, dec.sms, D, self.k.element_size())
         # the prompt that the n rows of a group share: columns [pad, shared) of each row (shared = 0: none),
         # read for several rows at once, its slices into slots attn_split ... 2·attn_split - 1
         # (_attn_partial_kernel)

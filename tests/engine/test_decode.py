@@ -141,6 +141,9 @@ def test_attention_grid_fits_in_one_wave():
     assert grid(16) == (4, 4) and grid(32) == (2, 4)
     assert grid(64) == (2, 2)  # a cut to 1 chunk is not made; 512 programs fit only at 2 stages
     assert grid(99) == (1, 3) and grid(100) == (1, 2) and grid(1000) == (1, 2)
+    # the FP8 cache's blocks take half the room: 64 rows fit at 4 stages
+    assert [decode._attn_per_sm(s, 128, 1) for s in (4, 3, 2)] == [4, 5, 9]
+    assert decode._attn_grid(64 * 4, 768, 132, 128, 1) == (2, 4)
 
 
 # (Under Triton's interpreter the attention's masked columns compute -inf - (-inf) in numpy, which warns; those
@@ -199,19 +202,23 @@ def assert_first_layer_cache_is_the_16_bit_one_quantized(model, prompts, n, kern
 
 @pytest.mark.parametrize("kernels", ["torch", pytest.param("triton", marks=[interpreted, pytest.mark.filterwarnings(
     "ignore:invalid value encountered in subtract:RuntimeWarning")])])
-def test_fp8_cache_equals_the_plain_samplers(hf_folder, kernels):
+def test_fp8_cache_equals_the_plain_samplers(hf_folder, kernels, monkeypatch):
     """kv_cache="fp8" (rollout.KVCache): the engine's rollout, its live rows moved to fewer states as they stop,
     against the plain sampler's with the same cache: the same tokens, stops and lengths, logprobs within 5e-3.
     Not 1e-4 as elsewhere: the two compute K and V in different fp32 orders, and a last-bit difference can move
     an element across an E4M3 rounding boundary (a step of up to 2^-3 of it). The cache itself is not what
     differs: after the prefill the engine's first layer holds, bit for bit, rollout.kv_e4m3 of what the
     model-dtype engine stores there (that layer's K/V do not depend on the attention). The FP8 cache moves the
-    logprobs by ~2e-2 here, beyond that tolerance (so a cache left in the model dtype fails)."""
+    logprobs by ~2e-2 here, beyond that tolerance (so a cache left in the model dtype fails). The attention's
+    grid is sized for the 1-byte values the cache holds."""
     _, model = load(hf_folder, seed=12)
     prompts = prompts_of([3, 6, 2, 5], 97, seed=13)
     kw = dict(n=3, max_new_tokens=30, temperature=1.3, stop_ids=set(range(3, 97, 9)), seed=5)
     plain = rollout.generate(model, prompts, kernels="torch", kv_cache="fp8", **kw)
+    sized = []
+    monkeypatch.setattr(decode, "_attn_grid", lambda *a, grid=decode._attn_grid: sized.append(a[-1]) or grid(*a))
     got = decode.generate(model, prompts, kernels=kernels, kv_cache="fp8", **kw)
+    assert sized and set(sized) == {1}
     assert got.stats["shrinks"] and plain.stats["shrinks"]
     assert_same_rollout(got, plain, atol=5e-3)
     exact = rollout.generate(model, prompts, kernels="torch", **kw)
