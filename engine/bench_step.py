@@ -53,6 +53,7 @@ its floor (weights and KV cache read once a step at the card's copy bandwidth, m
 as is the batch-1 decode of --decode-batch1. --json writes the rows, --md the tables.
 """
 import argparse
+import faulthandler
 import functools
 import gc
 import math
@@ -462,6 +463,8 @@ def report(a, header, results):
 
 
 def main(argv=None):
+    if not faulthandler.is_enabled():  # a crash in native code (CUDA, Triton, torch.compile) prints the Python stacks
+        faulthandler.enable()
     a = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("engine.bench_step needs a CUDA GPU")
