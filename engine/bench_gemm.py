@@ -2,12 +2,13 @@
 
     python -m engine.bench_gemm --bench     # the plan's kernel per shape vs cuBLAS bf16 (markdown table)
     python -m engine.bench_gemm --tune      # every candidate config per shape; the best ones
+    python -m engine.bench_gemm --tune --size 32b --m 1 --no-dx   # another size's shapes
     (python fp4_gemm.py --bench passes through to this.)
 
 Measures: engine/plan.py's choice (--bench) or every config `_candidates` lists (--tune) on Qwen2.5-7B's
-linear shapes, each checked against a float reference first, timed as CUDA-graph replays over rotated
-weight copies (so L2 holds none of them), beside cuBLAS bf16 and the device-copy bandwidth of the same
-run. Each row's floor is the bytes it must move (packed weight and scales, x and y; cuBLAS: the bf16
+linear shapes (--size: another Qwen2.5 size's), each checked against a float reference first, timed as
+CUDA-graph replays over rotated weight copies (so L2 holds none of them), beside cuBLAS bf16 and the
+device-copy bandwidth of the same run. Each row's floor is the bytes it must move (packed weight and scales, x and y; cuBLAS: the bf16
 weight, x and y) at that copy bandwidth, and its share is floor / time (floor_shares). --json PATH writes
 the rows with their floors; --out DIR the table (.md) and every row tried (.jsonl). The plan's table was
 read off --tune; the tables it printed are in results/fp4_gemm_h200.md.
@@ -26,10 +27,21 @@ from engine.plan import _last_wave_split, _wgmma_rows_of_x, _ws_ring_bytes, plan
 from fp4_backend import KERNELS
 from fp4_gemm import QuantLinear
 from hub import write_text
+from model import qwen25_config
 
-# Qwen2.5-7B's linears: name → (in_features, out_features of the layers fused into one matmul, bias).
-QWEN7B_SHAPES = {"qkv": (3584, (3584, 512, 512), True), "o": (3584, (3584,), False),
-                 "gate_up": (3584, (18944, 18944), False), "down": (18944, (3584,), False)}
+SIZES = ("0.5b", "1.5b", "3b", "7b", "14b", "32b", "72b")  # the Qwen2.5 sizes model.qwen25_config knows
+
+
+def layer_shapes(size):
+    """A Qwen2.5 size's linears as the decode fuses them: name → (in_features, out_features of the layers
+    fused into one matmul, bias). From model.qwen25_config (the published configs)."""
+    cfg = qwen25_config(size)
+    H, I, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return {"qkv": (H, (q, kv, kv), True), "o": (q, (H,), False), "gate_up": (H, (I, I), False),
+            "down": (I, (H,), False)}
+
+
+QWEN7B_SHAPES = layer_shapes("7b")  # the default: the shapes the plan's table was read off
 BENCH_M = (1, 4, 16, 64, 256, 1024, 4096)
 ROTATE_BYTES = 256 * 2**20  # weights touched per timed graph: several times the 50 MB L2
 
@@ -169,27 +181,29 @@ def _candidates(M, N, K, direction):
     return c
 
 
-def _problems(ms, with_dx=True):
+def _problems(shapes, ms, with_dx=True):
+    """(name, shape, M, direction) of every problem: each layer of `shapes` forward at every M of ms, then its
+    dX at 4096 rows."""
     for M in ms:
-        for name in QWEN7B_SHAPES:
-            yield name, M, "fwd"
+        for name, shape in shapes.items():
+            yield name, shape, M, "fwd"
     if with_dx:
-        for name in QWEN7B_SHAPES:
-            yield name, 4096, "dx"
+        for name, shape in shapes.items():
+            yield name, shape, 4096, "dx"
 
 
 _LAYERS = {}
 
 
-def _layer_for(name):
-    if name not in _LAYERS:
-        K, parts, bias = QWEN7B_SHAPES[name]
-        _LAYERS[name] = _bench_layer(K, parts, bias, seed=len(_LAYERS))
-    return _LAYERS[name]
+def _layer_for(shape):
+    """The random quantized layer of `shape` (in_features, parts, bias), built once per process."""
+    if shape not in _LAYERS:
+        _LAYERS[shape] = _bench_layer(*shape, seed=len(_LAYERS))
+    return _LAYERS[shape]
 
 
-def _run_one(name, M, direction, plan, x=None):
-    layer = _layer_for(name)
+def _run_one(shape, M, direction, plan, x=None):
+    layer = _layer_for(shape)
     K, N = layer.in_features, layer.out_features
     if x is None:
         x = torch.randn(M, N if direction == "dx" else K, device="cuda", dtype=torch.bfloat16)
@@ -201,9 +215,9 @@ def _run_one(name, M, direction, plan, x=None):
 
 def _warm(task):
     """Worker: compile one config by running it once (fills Triton's on-disk cache)."""
-    name, M, direction, plan = task
+    name, shape, M, direction, plan = task
     try:
-        _run_one(name, M, direction, plan)
+        _run_one(shape, M, direction, plan)
         torch.cuda.synchronize()
         return None
     except Exception as e:  # reported by the parent
@@ -249,9 +263,9 @@ def write_json(path, obj):
     write_text(path, json.dumps(clean(obj), indent=1) + "\n")
 
 
-def _measure(name, M, direction, plans, log):
+def _measure(name, shape, M, direction, plans, log):
     """Check every plan against the float reference, time it and cuBLAS; returns result rows."""
-    layer = _layer_for(name)
+    layer = _layer_for(shape)
     K, N = layer.in_features, layer.out_features
     x = torch.randn(M, N if direction == "dx" else K, device="cuda", dtype=torch.bfloat16)
     ref = _reference(layer, x, direction)
@@ -264,7 +278,7 @@ def _measure(name, M, direction, plans, log):
     rows = []
     for plan in plans:
         try:
-            err = _rel_err(_run_one(name, M, direction, plan, x), ref)
+            err = _rel_err(_run_one(shape, M, direction, plan, x), ref)
             t = _graph_ms(_ours_calls(layer, M, plan, direction, x)) if err < 2e-2 else float("nan")
         except Exception as e:
             log(f"  FAILED {name} M={M} {direction} {plan}: {type(e).__name__}: {str(e)[:300]}")
@@ -334,6 +348,7 @@ def main():
                                                              "print a markdown table")
     parser.add_argument("--tune", action="store_true", help="time every candidate config per problem; print the best")
     parser.add_argument("--m", type=int, nargs="*", default=list(BENCH_M), help="batch sizes (rows of x) to run")
+    parser.add_argument("--size", default="7b", choices=SIZES, help="the Qwen2.5 size whose layer shapes to run")
     parser.add_argument("--shapes", nargs="*", default=list(QWEN7B_SHAPES), help="layers to run")
     parser.add_argument("--no-dx", action="store_true", help="skip the dX backward at M=4096")
     parser.add_argument("--kernel", choices=[k for k in KERNELS if k], help="--tune: only this kernel's configs")
@@ -351,17 +366,17 @@ def main():
 
     t0 = time.time()
     log = lambda s: print(s, flush=True)
-    probs = [p for p in _problems(args.m, not args.no_dx) if p[0] in args.shapes]
+    probs = [p for p in _problems(layer_shapes(args.size), args.m, not args.no_dx) if p[0] in args.shapes]
     plans = {}
-    for name, M, d in probs:
-        K, parts, _ = QWEN7B_SHAPES[name]
-        N = sum(parts)
+    for name, shape, M, d in probs:
+        K, N = shape[0], sum(shape[1])
         dev = torch.device("cuda")
         chosen = plan_forward(M, N, K, torch.bfloat16, dev) if d == "fwd" else plan_dx(M, N, K, torch.bfloat16, dev)
-        plans[(name, M, d)] = ([p for p in _candidates(M, N, K, d) if args.kernel in (None, p["kernel"])] if args.tune
-                               else [chosen])
-    tasks = [(n, M, d, p) for (n, M, d), ps in plans.items() for p in ps if p["kernel"] != "dequant"]
-    log(f"{len(probs)} problems, {len(tasks)} kernel launches to compile on {args.jobs} processes")
+        plans[(name, shape, M, d)] = ([p for p in _candidates(M, N, K, d) if args.kernel in (None, p["kernel"])]
+                                      if args.tune else [chosen])
+    tasks = [(*problem, p) for problem, ps in plans.items() for p in ps if p["kernel"] != "dequant"]
+    log(f"{len(probs)} problems (Qwen2.5-{args.size} shapes), {len(tasks)} kernel launches to compile on "
+        f"{args.jobs} processes")
     for e in _precompile(tasks, args.jobs):
         log("  compile/run error: " + e)
     log(f"compiled in {time.time() - t0:.0f} s")
@@ -372,8 +387,8 @@ def main():
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         jsonl = open(os.path.join(args.out, f"fp4_gemm_{'tune' if args.tune else 'bench'}.jsonl"), "w")
-    for (name, M, d), ps in plans.items():
-        r = _measure(name, M, d, ps, log)
+    for (name, shape, M, d), ps in plans.items():
+        r = _measure(name, shape, M, d, ps, log)
         rows += r
         if jsonl:  # written as we go: a run cut short still leaves its numbers
             for x in r:
@@ -392,7 +407,7 @@ def main():
     print(table)
     log(f"total {time.time() - t0:.0f} s")
     if args.json:
-        write_json(args.json, dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+        write_json(args.json, dict(device=torch.cuda.get_device_name(), size=args.size, torch=torch.__version__,
                                    triton=triton.__version__, copy_tb_s=copy, rows=json_rows(best, copy)))
     if args.out:
         jsonl.close()

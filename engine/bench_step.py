@@ -67,7 +67,7 @@ import lora
 import memory
 import rollout
 import train
-from engine.bench_gemm import write_json
+from engine.bench_gemm import SIZES, write_json
 from engine.bench_rollout import floor_ms, mean_length, random_model, random_stop_ids, step_bytes
 from hub import write_text
 from model import qwen25_config
@@ -80,7 +80,6 @@ MODES = ("bf16", "nvfp4", "nvfp4+fp8", "nvfp4+fp8kv")
 def kv_cache_of(mode):
     """What the rollout's KV cache stores in `mode` (rollout.KVCache)."""
     return "fp8" if mode == "nvfp4+fp8kv" else "model"
-SIZES = ("0.5b", "1.5b", "3b", "7b", "14b", "32b", "72b")
 
 
 def parse_args(argv=None):
