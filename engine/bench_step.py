@@ -21,9 +21,10 @@ and prints rollout tokens/s, update tokens/s, the step time split, peak GPU memo
 with torch.cuda.set_per_process_memory_fraction to reproduce an 80 GB card on a larger one.
 `--early-stop MEAN` lets the completions stop as real ones do, after ~MEAN tokens on average (a long
 tail up to --new-tokens): then the rollout's batch shrinks as its rows finish (engine/decode.py) and the
-update sees fewer tokens. The two bases then decode different tokens and so different lengths (the
-mean_len column); a timed step may also capture the graph of a batch size the warm-up step did not
-reach (capture_s, included in rollout_s).
+update sees fewer tokens. Every mode decodes the same lengths (the mean_len column), so that the modes'
+times compare the same work: the rollout samples at PAIRED_TEMPERATURE, where the seeded noise of each draw
+picks the token whatever the base (its update trains at that temperature too; mismatch_kl is then not
+reported, since it measures nothing there: the forced-length run measures it).
 
     python -m engine.bench_step --size 7b                   # bf16 and NVFP4, 8 prompts x 8, 256 + 1024 tokens
     python -m engine.bench_step --size 7b --early-stop 256  # the same, completions of ~256 tokens on average
@@ -128,6 +129,17 @@ def parse_args(argv=None):
     return a
 
 
+# --early-stop's sampling temperature. The sampler draws argmax(logits / T + Gumbel noise), the noise a pure
+# function of (row, step) (rollout.gumbel_noise); a random model's logits spread ~1, so at T = 1e5 they move a
+# draw by ~1e-5 against noise gaps of order 1, and every base picks the same tokens (and stop tokens).
+PAIRED_TEMPERATURE = 1e5
+
+
+def sampling_temperature(a):
+    """The rollout's (and the update's) temperature: 1, or PAIRED_TEMPERATURE with --early-stop."""
+    return PAIRED_TEMPERATURE if a.early_stop else 1.0
+
+
 def stop_ids(a, vocab):
     """The rollout's stop list: none (every completion runs --new-tokens), or with --early-stop MEAN the
     same random ids in every mode, which end a completion after ~MEAN tokens on average
@@ -155,7 +167,7 @@ def update_config(a, plan, fp8=False):
     update nothing to do.)"""
     ckpt = a.checkpointing if plan.cap is None else ("on" if plan.checkpointing else "off")
     return train.UpdateConfig(max_new_tokens=a.new_tokens, micro_batch=plan.micro_batch, logp_chunk=plan.logp_chunk,
-                              checkpointing=ckpt, fp8=fp8)
+                              checkpointing=ckpt, fp8=fp8, temperature=sampling_temperature(a))
 
 
 # Kinds of update kernels, by name: the first pattern a kernel's name contains (lower case) decides
@@ -229,7 +241,8 @@ def rollout_groups(model, prompts, a, plan, stops, step, kv_cache="model"):
     split. → [(the call's first prompt, its Rollout)]."""
     per_call = plan.rollout_rows // a.group_size
     return [(lo, rollout.generate(model, prompts[lo:lo + per_call], n=a.group_size, max_new_tokens=a.new_tokens,
-                                  temperature=1.0, stop_ids=stops, seed=ddp.shift_seed(step, lo * a.group_size),
+                                  temperature=sampling_temperature(a), stop_ids=stops,
+                                  seed=ddp.shift_seed(step, lo * a.group_size),
                                   kv_cache=kv_cache))
             for lo in range(0, len(prompts), per_call)]
 
@@ -289,7 +302,7 @@ def timed_step(model, optimizer, params, prompts, a, plan, ua, stops, gen, step,
     row = dict(rollout_s=t1 - t0, update_s=t3 - t2, other_s=t2 - t1, step_s=t3 - t0,
                rollout_tok_s=gen_tokens / (t1 - t0), update_tok_s=upd_tokens / (t3 - t2),
                mean_len=gen_tokens / (a.prompts * a.group_size), capture_s=stat("capture_s"), decode_s=stat("decode_s"),
-               prefill_s=stat("prefill_s"), mismatch_kl=metrics["mismatch_kl"],
+               prefill_s=stat("prefill_s"), mismatch_kl=float("nan") if a.early_stop else metrics["mismatch_kl"],
                peak_rollout_gb=peak_rollout / 2**30,
                peak_update_gb=torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"))
     return row, metrics, batch, calls
@@ -432,6 +445,11 @@ def mode_lines(r):
     return lines
 
 
+def fmt_kl(kl):
+    """mismatch_kl as the table prints it: '-' where it was not measured (--early-stop)."""
+    return "-" if kl != kl else f"{kl:.2e}"
+
+
 def report(a, header, results):
     """The markdown of a run so far: the header, each mode's plan and lines, the table and the ratios."""
     out = [header, ""]
@@ -447,7 +465,7 @@ def report(a, header, results):
         for mode, r in ran.items():
             share = f"{r['decode_share']:.0%}" if "decode_share" in r else "-"
             out.append(f"| {mode} | " + " | ".join(f"{r[c]:.1f}" for c in cols) +
-                       f" | {r['first_step']['step_s']:.1f} | {share} | {r['recompiles']} | {r['mismatch_kl']:.2e} |")
+                       f" | {r['first_step']['step_s']:.1f} | {share} | {r['recompiles']} | {fmt_kl(r['mismatch_kl'])} |")
     b = ran.get("bf16")
     for mode, n in ran.items():
         if b is None or mode == "bf16":

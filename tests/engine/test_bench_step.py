@@ -56,6 +56,29 @@ def test_rl_step_with_completions_that_stop_early():
         bench_step.parse_args(["--early-stop", "0.5"])
     r = bench_step.run_mode(a, "nvfp4", torch.device("cpu"), tiny_shape())
     assert 1 < r["mean_len"] < 40 and r["grad_norm"] > 0 and r["capture_s"] == 0  # (no graphs on the CPU)
+    assert r["mismatch_kl"] != r["mismatch_kl"]  # (not measured at the paired temperature: NaN, printed '-')
+
+
+def test_early_stopping_bases_decode_the_same_lengths(monkeypatch):
+    """--early-stop: the bases' models differ in every weight, yet every completion has the same length in
+    each (so their times compare the same work): at PAIRED_TEMPERATURE the seeded noise picks the tokens. At
+    temperature 1 the lengths differ, which is what the pairing is for."""
+    a = bench_step.parse_args("--prompts 4 --group-size 4 --prompt-len 5 --new-tokens 40 --lora-rank 4 "
+                              "--early-stop 8".split())
+    prompts = torch.randint(0, 96, (a.prompts, a.prompt_len), generator=torch.Generator().manual_seed(0)).tolist()
+    plan = bench_step.step_plan(a, tiny_shape(), "bf16", None)
+    stops = bench_step.stop_ids(a, 96)
+
+    def lengths(mode):
+        model = bench_step.random_model(tiny_shape(), "bf16" if mode == "bf16" else "nvfp4", "cpu", seed=len(mode))
+        with torch.no_grad():
+            calls = bench_step.rollout_groups(model, prompts, a, plan, stops, step=0)
+        return torch.cat([ro.lengths for _, ro in calls])
+
+    paired = lengths("bf16")
+    assert paired.unique().numel() > 3 and torch.equal(paired, lengths("nvfp4"))
+    monkeypatch.setattr(bench_step, "PAIRED_TEMPERATURE", 1.0)
+    assert not torch.equal(lengths("bf16"), lengths("nvfp4"))
 
 
 @pytest.mark.parametrize("marks", [True, False])
