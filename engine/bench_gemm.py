@@ -8,10 +8,11 @@
 Measures: engine/plan.py's choice (--bench) or every config `_candidates` lists (--tune) on Qwen2.5-7B's
 linear shapes (--size: another Qwen2.5 size's), each checked against a float reference first, timed as
 CUDA-graph replays over rotated weight copies (so L2 holds none of them), beside cuBLAS bf16 and the
-device-copy bandwidth of the same run. Each row's floor is the bytes it must move (packed weight and scales, x and y; cuBLAS: the bf16
-weight, x and y) at that copy bandwidth, and its share is floor / time (floor_shares). --json PATH writes
-the rows with their floors; --out DIR the table (.md) and every row tried (.jsonl). The plan's table was
-read off --tune; the tables it printed are in results/fp4_gemm_h200.md.
+device-copy bandwidth of the same run. Each row's floor is the bytes it must move (packed weight and
+scales, x and y; cuBLAS: the bf16 weight, x and y) at that copy bandwidth, and its share is floor / time
+(floor_shares). --json PATH writes the rows with their floors; --out DIR the table (.md) and every row
+tried (.jsonl). The plan's table was read off --tune; the tables it printed are in
+results/fp4_gemm_h200.md.
 """
 import argparse
 import json

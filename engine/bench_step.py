@@ -480,7 +480,7 @@ def report(a, header, results):
 
 
 def main(argv=None):
-    if not faulthandler.is_enabled():  # a crash in native code (CUDA, Triton, torch.compile) prints the Python stacks
+    if not faulthandler.is_enabled():  # a crash in native code (CUDA, Triton, compile) prints the Python stacks
         faulthandler.enable()
     a = parse_args(argv)
     if not torch.cuda.is_available():
