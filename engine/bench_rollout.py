@@ -113,6 +113,13 @@ def random_stop_ids(vocab, mean_len, gen):
     return torch.randperm(vocab, generator=gen)[: max(1, round(vocab / mean_len))].tolist()
 
 
+# The temperature at which the early-stop benchmarks sample, so that what they compare decodes the same
+# lengths. The sampler draws argmax(logits / T + Gumbel noise), the noise a pure function of (row, step)
+# (rollout.gumbel_noise); a random model's logits spread ~1, so at T = 1e5 they move a draw by ~1e-5 against
+# noise gaps of order 1: the same tokens (and stop tokens) whatever the base or the kernels' rounding.
+PAIRED_TEMPERATURE = 1e5
+
+
 def mean_length(text):
     """argparse type of --early-stop: a mean completion length in tokens (>= 1), or 0 for none."""
     value = float(text)
@@ -137,11 +144,10 @@ def _bench_one(model, batch, prompt_len, new_tokens, seed, **kw):
 
 def _bench_early_stop(model, batch, prompt_len, new_tokens, mean_len, seed, rounds=3, **kw):
     """Rows that stop after ~mean_len tokens on average (random_stop_ids). The same `rounds` rollouts (seeds)
-    with and without moving the live rows into
-    smaller states (generate's compact), each timed after a first call with its seed, which compiles and
-    captures what that rollout needs. How long a rollout runs is set by its longest row, which differs
-    between the two ways (their GEMMs of fewer rows round differently, and a near-tie flips): the rounds
-    average some of that out. Returns {compact: totals over the rounds}."""
+    with and without moving the live rows into smaller states (generate's compact), each timed after a first
+    call with its seed, which compiles and captures what that rollout needs. Sampled at PAIRED_TEMPERATURE: the
+    GEMMs of fewer rows round differently, which at temperature 1 flips a near-tie now and then and with it a
+    row's length, and a rollout runs as long as its longest row. Returns {compact: totals over the rounds}."""
     V = model.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
     prompts = torch.randint(0, V, (batch, prompt_len), generator=gen).tolist()
@@ -149,8 +155,8 @@ def _bench_early_stop(model, batch, prompt_len, new_tokens, mean_len, seed, roun
     res = {}
     for compact in (False, True):
         def rollouts():
-            return [generate(model, prompts, max_new_tokens=new_tokens, stop_ids=stops, seed=seed + 1 + i,
-                             compact=compact, **kw) for i in range(rounds)]
+            return [generate(model, prompts, max_new_tokens=new_tokens, temperature=PAIRED_TEMPERATURE,
+                             stop_ids=stops, seed=seed + 1 + i, compact=compact, **kw) for i in range(rounds)]
         rollouts()  # compiles and captures
         rs = rollouts()
         secs = sum(r.stats["prefill_s"] + r.stats["decode_s"] for r in rs)

@@ -22,9 +22,9 @@ with torch.cuda.set_per_process_memory_fraction to reproduce an 80 GB card on a 
 `--early-stop MEAN` lets the completions stop as real ones do, after ~MEAN tokens on average (a long
 tail up to --new-tokens): then the rollout's batch shrinks as its rows finish (engine/decode.py) and the
 update sees fewer tokens. Every mode decodes the same lengths (the mean_len column), so that the modes'
-times compare the same work: the rollout samples at PAIRED_TEMPERATURE, where the seeded noise of each draw
-picks the token whatever the base (its update trains at that temperature too; mismatch_kl is then not
-reported, since it measures nothing there: the forced-length run measures it).
+times compare the same work: the rollout samples at PAIRED_TEMPERATURE (engine/bench_rollout.py), where
+the seeded noise of each draw picks the token whatever the base (its update trains at that temperature
+too; mismatch_kl is then not reported, since it measures nothing there: the forced-length run measures it).
 
     python -m engine.bench_step --size 7b                   # bf16 and NVFP4, 8 prompts x 8, 256 + 1024 tokens
     python -m engine.bench_step --size 7b --early-stop 256  # the same, completions of ~256 tokens on average
@@ -69,7 +69,8 @@ import memory
 import rollout
 import train
 from engine.bench_gemm import SIZES, write_json
-from engine.bench_rollout import floor_ms, mean_length, random_model, random_stop_ids, step_bytes
+from engine.bench_rollout import (PAIRED_TEMPERATURE, floor_ms, mean_length, random_model, random_stop_ids,
+                                  step_bytes)
 from hub import write_text
 from model import qwen25_config
 
@@ -127,12 +128,6 @@ def parse_args(argv=None):
     if a.mem_cap_gb is not None and not a.mem_cap_gb > 0:
         p.error(f"--mem-cap-gb {a.mem_cap_gb}: a number of GB > 0")
     return a
-
-
-# --early-stop's sampling temperature. The sampler draws argmax(logits / T + Gumbel noise), the noise a pure
-# function of (row, step) (rollout.gumbel_noise); a random model's logits spread ~1, so at T = 1e5 they move a
-# draw by ~1e-5 against noise gaps of order 1, and every base picks the same tokens (and stop tokens).
-PAIRED_TEMPERATURE = 1e5
 
 
 def sampling_temperature(a):

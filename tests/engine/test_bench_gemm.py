@@ -1,5 +1,5 @@
 """engine/bench_gemm.py's output: each row's floor and shares, in the table and in the JSON rows (the timing
-itself needs a GPU: tests/engine/test_plan.py checks the table's kernel labels)."""
+itself needs a GPU: tests/engine/test_plan.py checks the table's kernel labels), and the layer shapes of each size."""
 from engine import bench_gemm
 
 
@@ -26,3 +26,16 @@ def test_a_rows_floor_and_shares_by_hand():
     assert (j["floor_us"], j["share"], j["cublas_share"]) == (floor_us, share, cublas_share)
     assert j["kernel"] == "mma 64 rows split2 w4" and j["ms"] == r["ms"]
 
+
+def test_bench_shapes_are_the_published_configs():
+    """--size: a Qwen2.5 size's linears as the decode fuses them (q|k|v with its bias, o, gate|up, down), from
+    model.qwen25_config; the 7B ones are those the plan's table was read off."""
+    assert bench_gemm.QWEN7B_SHAPES == {"qkv": (3584, (3584, 512, 512), True), "o": (3584, (3584,), False),
+                                        "gate_up": (3584, (18944, 18944), False), "down": (18944, (3584,), False)}
+    s32, s72 = bench_gemm.layer_shapes("32b"), bench_gemm.layer_shapes("72b")  # 40 / 64 heads, 8 kv heads of 128
+    assert s32["qkv"] == (5120, (5120, 1024, 1024), True) and s32["gate_up"] == (5120, (27648, 27648), False)
+    assert s72["o"] == (8192, (8192,), False) and s72["down"] == (29568, (8192,), False)
+    problems = list(bench_gemm._problems(s32, [1, 64], with_dx=True))
+    assert [(n, M, d) for n, _, M, d in problems][:5] == [("qkv", 1, "fwd"), ("o", 1, "fwd"), ("gate_up", 1, "fwd"),
+                                                         ("down", 1, "fwd"), ("qkv", 64, "fwd")]
+    assert len(problems) == 12 and all(shape == s32[n] for n, shape, _, _ in problems)

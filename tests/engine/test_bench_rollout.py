@@ -20,7 +20,7 @@ def test_early_stop_benchmark_times_both_ways(hf_folder):
     _, folder = hf_folder("qwen2", seed=14, **CFG)
     model = M.Transformer.from_pretrained(folder, dtype=torch.float32)
     lora.apply_lora(model, rank=4, alpha=8)
-    r = bench_rollout._bench_early_stop(model, batch=32, prompt_len=4, new_tokens=40, mean_len=24, seed=0, rounds=2,
+    r = bench_rollout._bench_early_stop(model, batch=32, prompt_len=4, new_tokens=40, mean_len=16, seed=0, rounds=2,
                                         kernels="torch")
     off, on = r[False], r[True]
     assert 0 < off["stopped"] < 64 and 1 < off["mean"] < 40 and off["longest"] == off["steps"] == [40, 40]

@@ -140,20 +140,6 @@ def test_last_wave_split_fills_the_gpu(monkeypatch):
     assert engine_plan.plan_forward(64, 7168, 5120, torch.bfloat16, cuda)["SPLIT_K"] == 2  # 14B q/k/v: 112 tiles
 
 
-def test_bench_shapes_are_the_published_configs():
-    """--size: a Qwen2.5 size's linears as the decode fuses them (q|k|v with its bias, o, gate|up, down), from
-    model.qwen25_config; the 7B ones are those the plan's table was read off."""
-    assert bench_gemm.QWEN7B_SHAPES == {"qkv": (3584, (3584, 512, 512), True), "o": (3584, (3584,), False),
-                                        "gate_up": (3584, (18944, 18944), False), "down": (18944, (3584,), False)}
-    s32, s72 = bench_gemm.layer_shapes("32b"), bench_gemm.layer_shapes("72b")  # 40 / 64 heads, 8 kv heads of 128
-    assert s32["qkv"] == (5120, (5120, 1024, 1024), True) and s32["gate_up"] == (5120, (27648, 27648), False)
-    assert s72["o"] == (8192, (8192,), False) and s72["down"] == (29568, (8192,), False)
-    problems = list(bench_gemm._problems(s32, [1, 64], with_dx=True))
-    assert [(n, M, d) for n, _, M, d in problems][:5] == [("qkv", 1, "fwd"), ("o", 1, "fwd"), ("gate_up", 1, "fwd"),
-                                                         ("down", 1, "fwd"), ("qkv", 64, "fwd")]
-    assert len(problems) == 12 and all(shape == s32[n] for n, shape, _, _ in problems)
-
-
 def test_bench_table_names_every_planned_kernel(monkeypatch):
     """`python -m engine.bench_gemm --bench` (and `python fp4_gemm.py --bench`) prints one table row per
     problem whatever kernel the per-shape plan
