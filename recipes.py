@@ -228,8 +228,8 @@ def build_parser():
     a("--fp8-update", action="store_true", help="NVFP4 base: the update's base GEMMs on FP8 tensor cores "
       "(engine/fp8.py); faster on Hopper, less exact (results/fp8_update.md)")
     a("--fp8-kv", action="store_true", help="the rollout's KV cache in FP8 (E4M3, a scale a token and kv head: "
-      "rollout.KVCache): about half its memory, so more rows a rollout call for a large model (no faster a decode "
-      "step yet); the sampler's logprobs move away from the trainer's (results/fp8_kv.md)")
+      "rollout.KVCache): about half its memory, so more rows a rollout call for a large model (a decode step "
+      "faster only at long completions); the sampler's logprobs move away from the trainer's (results/fp8_kv.md)")
     # the optimizer
     a("--lr", type=float, default=None, help="peak learning rate")
     a("--warmup-steps", type=int, default=None, help="linear warm-up steps (default: the recipe's warm-up ratio "
@@ -372,6 +372,11 @@ def derive(args):
 def prompt_style(args, kind):
     """How a problem of `kind` is asked: --prompt, else the prompt the reward variant was trained with."""
     return args.prompt or tasks.REWARDS[args.reward].prompt[kind]
+
+
+def kv_cache(args):
+    """What the rollout's KV cache stores (rollout.generate's kv_cache): "fp8" with --fp8-kv, else "model"."""
+    return "fp8" if args.fp8_kv else "model"
 
 
 def lora_targets(args):

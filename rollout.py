@@ -326,12 +326,15 @@ class KVCache:
         return self
 
 
+def as_bytes(t):
+    """An E4M3 tensor viewed as uint8 (torch's gathers, scatters and index_copy_ do not all take E4M3; its
+    bytes move the same), any other tensor as it is."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
 def _rows_of(t, pick):
-    """pick(t), through a uint8 view of an E4M3 tensor (torch's gathers do not all take E4M3; its bytes move
-    the same)."""
-    if t.dtype != torch.float8_e4m3fn:
-        return pick(t)
-    return pick(t.view(torch.uint8)).view(torch.float8_e4m3fn)
+    """pick(t), through as_bytes."""
+    return pick(as_bytes(t)).view(t.dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -101,7 +101,7 @@ def sample(model, prompts, args, stop_ids, sigma, noise_seed, seed, per_call=Non
     with torch.no_grad(), noisy:
         parts = [rollout.generate(model, prompts[i:i + per_call], n=G, max_new_tokens=args.max_new_tokens,
                                   temperature=args.temperature, top_p=args.top_p, stop_ids=stop_ids,
-                                  seed=ddp.shift_seed(seed, i * G), kv_cache="fp8" if args.fp8_kv else "model")
+                                  seed=ddp.shift_seed(seed, i * G), kv_cache=recipes.kv_cache(args))
                  for i in range(0, len(prompts), per_call)]
     if not keep_cache:  # (the plan has no room for the cache beside the update: the next call rebuilds it)
         rollout.release(model)
@@ -315,7 +315,7 @@ def plan_step(args, model_dir, data, cap, world):
                        lora_targets=recipes.lora_targets(args), train_norms=args.train_norms, checkpointing=args.checkpointing,
                        title=f"{args.model}, {args.quant}", eval_samples=args.eval_samples, eval_prompt_len=longest[1],
                        eval_max_new_tokens=args.eval_max_new_tokens, eval_rows=default_batch("cuda"),
-                       kv_cache="fp8" if args.fp8_kv else "model")
+                       kv_cache=recipes.kv_cache(args))
     print(plan.describe())
     if not plan.fits:
         raise ValueError(f"the step does not fit in {cap / 1e9:.1f} GB of GPU memory: " + "; ".join(plan.problems))

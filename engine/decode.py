@@ -421,10 +421,7 @@ class Decoder:
         q, k = apply_rope(q, k, cos, sin)
         col = st.counters[:1]
         for name, t in zip(self.cache_tensors, self.stored(k[:, :, None], v.reshape(M, Hkv, 1, D))):
-            dst = getattr(st, name)[layer]
-            if t.dtype == torch.float8_e4m3fn:  # (index_copy_ takes no E4M3: the same bytes as uint8)
-                dst, t = dst.view(torch.uint8), t.view(torch.uint8)
-            dst.index_copy_(2, col, t)
+            rollout.as_bytes(getattr(st, name)[layer]).index_copy_(2, col, rollout.as_bytes(t))
         return q
 
     def stored(self, k, v):
@@ -864,9 +861,7 @@ class Decoder:
             t.copy_(t[on_dev])
         rows = on_dev[: live.numel()]
         for name in self.cache_tensors:
-            cache = getattr(root, name)
-            if cache.dtype == torch.float8_e4m3fn:  # (the same bytes as uint8: torch's gathers do not all take E4M3)
-                cache = cache.view(torch.uint8)
+            cache = rollout.as_bytes(getattr(root, name))
             for layer in range(cache.shape[0]):  # (a layer at a time: the gather's copy stays small)
                 cache[layer, : rows.numel(), :, :column] = cache[layer, rows, :, :column]
         order[: st.N] = order[: st.N][keep]
