@@ -7,6 +7,7 @@ Triton kernels in Triton's interpreter, which the caller switches on (TRITON_INT
 first imported: tests/conftest.py does). `kernel` pins "tiled" (fp4_gemm's portable kernel) or an engine
 kernel: "mma", "gemv", "wgmma", "dequant". Inside `fp8_tensor_cores()` every path gives way to FP8 tensor
 cores (engine/fp8.py): train.py's --fp8-update, an option that trades exactness for a faster update.
+Inside `dequant_plan()` (train.update) the engine dequantizes and calls cuBLAS at any token count.
 The choice is one small dict, `choice`, read at every call (uses_triton, pinned_kernel, fp4_gemm's op).
 
 Launches. On CPU tensors only Triton's interpreter runs kernels: `launchable` says so instead of letting
@@ -72,6 +73,23 @@ def fp8_tensor_cores(on=True):
         yield
     finally:
         choice["fp8"] = old
+
+
+@contextlib.contextmanager
+def dequant_plan():
+    """Within it, the engine's products (fp4_linear and its dX) take the dequant plan at every token count:
+    the layer's weight dequantized to x's dtype, then cuBLAS, unless a kernel is already pinned. train.update
+    runs inside it. The plan picks a kernel and its launch config by the token count (engine/plan.py), and an
+    update's micro-batches bring counts that earlier steps did not (a last slice of one short sequence), so
+    that a later step would compile a kernel the first step never ran: seconds of Triton JIT in a step that
+    should pay none (engine/bench_step.py counts them). Above 2,048 tokens, where an update's micro-batches
+    are, the plan picks this one anyway; dequant and cuBLAS compile nothing new for a new count."""
+    old = choice["kernel"]
+    choice["kernel"] = old or "dequant"
+    try:
+        yield
+    finally:
+        choice["kernel"] = old
 
 
 def uses_triton(device):

@@ -40,7 +40,8 @@ engine takes only public names from here; this file reaches it only at its dispa
 Paths (fp4_backend.py, re-exported here). "auto": CUDA tensors go to the engine room, CPU tensors to the
 torch reference; `set_backend`, the `backend(...)` context manager or QERL_FP4_BACKEND force "torch" or
 "triton" (on CPU tensors: Triton's interpreter) and may pin a kernel; inside `fp8_tensor_cores()` every
-path gives way to FP8 tensor cores (engine/fp8.py), train.py's --fp8-update.
+path gives way to FP8 tensor cores (engine/fp8.py), train.py's --fp8-update; inside `dequant_plan()`
+(train.update) the engine runs dequant + cuBLAS whatever the token count.
 
 Departures from the official QeRL code: it runs rollouts on vLLM's Marlin FP4 kernel and trains by
 dequantizing the whole weight on every forward in HF; here one set of kernels serves both, the backward
@@ -56,8 +57,8 @@ import torch.nn as nn
 
 import fp4_backend
 import nvfp4
-from fp4_backend import (BACKENDS, HAS_TRITON, KERNELS, backend, fp8_tensor_cores, launch_opts,  # noqa: F401
-                         launchable, pinned_kernel, set_backend, split_k, uses_triton)
+from fp4_backend import (BACKENDS, HAS_TRITON, KERNELS, backend, dequant_plan, fp8_tensor_cores,  # noqa: F401
+                         launch_opts, launchable, pinned_kernel, set_backend, split_k, uses_triton)
 
 if HAS_TRITON:
     import triton

@@ -307,10 +307,13 @@ class Transformer(nn.Module):
             packed.append(torch.arange(b * L + s, b * L + n))
             P += n - s
         packed = torch.cat(packed)
+        if B == 1:  # attention runs a lone sequence as two copies of it: torch.compile specializes a count of
+            # one, so one sequence would compile the blocks anew in whatever later step first brings it
+            index = index.repeat(2, 1)
         index, positions = index.to(tokens.device), (packed % L).to(tokens.device)[None]
         packed = packed.to(tokens.device)
         h = self.hidden(tokens.flatten()[packed][None], positions, shared=(index, packed))[0]  # (P, H)
-        return h[index]
+        return h[index[:B]]
 
     def forward(self, tokens, positions=None, cache=None):
         """tokens (B, T) → logits (B, T, V)."""

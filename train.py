@@ -233,7 +233,8 @@ def update(cfg, model, optimizer, params, batch, world=ddp.World(), noise=None):
         sums = {}
         noisy = aqn.noise(model, noise[0], torch.Generator(device).manual_seed(noise[1])) if noise else \
             contextlib.nullcontext()
-        with noisy, fp4_gemm.fp8_tensor_cores(cfg.fp8):
+        # (dequant_plan: no base product compiles a kernel for a micro-batch's new token count in a later step)
+        with noisy, fp4_gemm.fp8_tensor_cores(cfg.fp8), fp4_gemm.dequant_plan():
             for i, sl in enumerate(slices):
                 prompts, completions, lengths = batch.prompts[sl], batch.completions[sl], batch.lengths[sl]
                 ref = None

@@ -46,10 +46,10 @@ built; a mode that runs out of memory anyway is reported with the phase and torc
 peak of each phase is measured beside the plan's estimate.
 
 Every row reports the first (warm-up) step's time, which compiles the update's blocks and captures the
-rollout's CUDA graphs, beside the steady-state mean of the timed steps. A graph compiled in a timed step
-(a recompile: a micro-batch brought a token count that torch.compile had not made generic) is a bug to
-fix, not a cost to average: its count is a line of its own and a JSON field (its seconds stay inside that
-step's update_s). The rollout's decode is set against
+rollout's CUDA graphs, beside the steady-state mean of the timed steps. A graph (torch.compile) or a
+kernel (Triton) compiled in a timed step is a recompile: a step brought a shape, such as a micro-batch's
+token count, that the first step had not compiled for. It is a bug to fix, not a cost to average: the
+counts are a line of their own and JSON fields (their seconds stay inside that step's times). The rollout's decode is set against
 its floor (weights and KV cache read once a step at the card's copy bandwidth, measured in the same run),
 as is the batch-1 decode of --decode-batch1. --json writes the rows, --md the tables.
 """
@@ -225,6 +225,32 @@ def compiled_graphs():
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
+_kernels = {"compiled": 0, "hooked": False}
+
+
+def compiled(graphs, kernels):
+    return f"{graphs} graphs and {kernels} kernels compiled"
+
+
+def compiled_kernels():
+    """How many of the project's Triton kernels (the engine's and fp4_gemm's) have been compiled in this process
+    since the first call, or loaded from Triton's disk cache: a kernel variant first met here, for a plan or a
+    launch config first met (torch.compile's own kernels come with its graphs, counted apart). Counted by
+    Triton's post-compile hook, chained to any hook set before."""
+    if not _kernels["hooked"]:
+        import triton
+
+        before = triton.knobs.runtime.jit_post_compile_hook
+
+        def hook(**kwargs):
+            _kernels["compiled"] += 1
+            return before(**kwargs) if before else None
+
+        triton.knobs.runtime.jit_post_compile_hook = hook
+        _kernels["hooked"] = True
+    return _kernels["compiled"]
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -334,7 +360,7 @@ def run_mode(a, mode, device, cfg, plan=None, copy_tb_s=None):
     stops = stop_ids(a, cfg.vocab_size)
     ua = update_config(a, plan, fp8=mode == "nvfp4+fp8")
     weights, kv_token = step_bytes(model), memory.kv_bytes_per_token(cfg, model.dtype, kv_cache_of(mode))
-    rows, graphs = [], compiled_graphs()
+    rows, graphs, kernels = [], compiled_graphs(), compiled_kernels()
     for step in range(a.steps + 1):  # step 0 warms up (compilation, graph capture, autotuning)
         row, metrics, batch, calls = timed_step(model, optimizer, params, prompts, a, plan, ua, stops, gen,
                                                 step, device, cuda, kv_cache_of(mode))
@@ -342,17 +368,21 @@ def run_mode(a, mode, device, cfg, plan=None, copy_tb_s=None):
             row["decode_floor_s"] = sum(decode_floor_s(ro.stats["segments"], weights, kv_token, a.group_size,
                                                        a.prompt_len, copy_tb_s) for ro in calls)
             row["decode_share"] = row["decode_floor_s"] / row["decode_s"]
-        now = compiled_graphs()
-        row["graphs_compiled"], graphs = now - graphs, now
+        row["graphs_compiled"] = compiled_graphs() - graphs
+        row["kernels_compiled"] = compiled_kernels() - kernels
+        graphs, kernels = graphs + row["graphs_compiled"], kernels + row["kernels_compiled"]
         rows.append(row)
         print(f"    {mode} step {step}{' (warm-up)' if not step else ''}: {row['step_s']:.1f} s = rollout "
               f"{row['rollout_s']:.1f} (captures {row['capture_s']:.1f}) + update {row['update_s']:.1f} + other "
               f"{row['other_s']:.1f}; peak {row['peak_rollout_gb']:.1f} / {row['peak_update_gb']:.1f} GiB; "
-              f"{row['graphs_compiled']} graphs compiled", flush=True)
+              f"{compiled(row['graphs_compiled'], row['kernels_compiled'])}", flush=True)
     first, timed = rows[0], rows[1:]
-    res.update({k: sum(r[k] for r in timed) / len(timed) for k in timed[0] if k != "graphs_compiled"})
+    counts = ("graphs_compiled", "kernels_compiled")
+    res.update({k: sum(r[k] for r in timed) / len(timed) for k in timed[0] if k not in counts})
     res["first_step"] = first
-    res["recompiles"] = sum(r["graphs_compiled"] for r in timed)  # each a bug: the update met a shape anew
+    # each a bug: a timed step met a shape (a token count) anew
+    res["recompiles"] = sum(r["graphs_compiled"] for r in timed)
+    res["kernel_recompiles"] = sum(r["kernels_compiled"] for r in timed)
     res["peak_rollout_gb"] = max(r["peak_rollout_gb"] for r in rows)
     res["peak_update_gb"] = max(r["peak_update_gb"] for r in rows)
     res["peak_gb"] = max(res["peak_rollout_gb"], res["peak_update_gb"])
@@ -420,7 +450,8 @@ def mode_lines(r):
              f"call ({p['rollout_calls']} a step), cache {cache}, micro-batch {p['micro_batch']}, logprob chunk "
              f"{p['logp_chunk']}, activation checkpointing {r['checkpointing']}",
              f"    first step {f['step_s']:.1f} s (rollout {f['rollout_s']:.1f} + update {f['update_s']:.1f} + other "
-             f"{f['other_s']:.1f}; graph captures {f['capture_s']:.1f} s, {f['graphs_compiled']} graphs compiled); "
+             f"{f['other_s']:.1f}; graph captures {f['capture_s']:.1f} s, "
+             f"{compiled(f['graphs_compiled'], f['kernels_compiled'])}); "
              f"steady {r['step_s']:.1f} s (rollout {r['rollout_s']:.1f} + update {r['update_s']:.1f} + other "
              f"{r['other_s']:.1f}; captures {r['capture_s']:.1f} s)",
              f"    peak {r['peak_gb']:.1f} GiB: rollout {r['peak_rollout_gb']:.1f}, update {r['peak_update_gb']:.1f} "
@@ -428,10 +459,10 @@ def mode_lines(r):
     if "decode_share" in r:
         lines.append(f"    rollout decode {r['decode_s']:.2f} s against a floor of {r['decode_floor_s']:.2f} s "
                      f"({r['decode_share']:.0%})")
-    if r["recompiles"]:
-        lines.append(f"    RECOMPILED: {r['recompiles']} graphs compiled in the timed steps. A bug, not a cost: the "
-                     f"update met a shape it had compiled for statically (the token count changed); its time is in "
-                     f"update_s above")
+    if r["recompiles"] or r["kernel_recompiles"]:
+        lines.append(f"    RECOMPILED: {compiled(r['recompiles'], r['kernel_recompiles'])} in the timed steps. A bug, not "
+                     f"a cost: a step met a shape (a token count) that the first step had not compiled for; its time "
+                     f"is in that step's")
     else:
         lines.append("    recompiles in the timed steps: 0")
     if "batch1_tok_s" in r:
@@ -455,12 +486,13 @@ def report(a, header, results):
            (["mean_len", "capture_s"] if a.early_stop else []) + \
            (["batch1_tok_s"] if a.decode_batch1 else [])
     if ran:
-        out.append("| base | " + " | ".join(cols) + " | first step s | decode share | recompiles | mismatch_kl |")
+        out.append("| base | " + " | ".join(cols) + " | first step s | decode share | recompiles (graphs / kernels) "
+                   "| mismatch_kl |")
         out.append("|---" * (len(cols) + 5) + "|")
         for mode, r in ran.items():
             share = f"{r['decode_share']:.0%}" if "decode_share" in r else "-"
-            out.append(f"| {mode} | " + " | ".join(f"{r[c]:.1f}" for c in cols) +
-                       f" | {r['first_step']['step_s']:.1f} | {share} | {r['recompiles']} | {fmt_kl(r['mismatch_kl'])} |")
+            out.append(f"| {mode} | " + " | ".join(f"{r[c]:.1f}" for c in cols) + f" | {r['first_step']['step_s']:.1f} "
+                       f"| {share} | {r['recompiles']} / {r['kernel_recompiles']} | {fmt_kl(r['mismatch_kl'])} |")
     b = ran.get("bf16")
     for mode, n in ran.items():
         if b is None or mode == "bf16":

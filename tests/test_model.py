@@ -223,6 +223,37 @@ def test_compiled_blocks_compile_once_for_every_shape(hf_folder):
     assert len(graphs) == 2
 
 
+def test_update_slices_compile_once_a_lone_sequence_included(hf_folder):
+    """The update's micro-batches (logprobs.micro_batches) hold as many sequences as fit, so a step's last one
+    may hold a single sequence, in whatever step its lengths first leave one over. torch.compile specializes a
+    count of one, so shared_prompt_hidden runs a lone sequence's attention as two copies of it: the blocks keep
+    their two graphs through slices of 4, 2, 1 and 3 sequences, and the lone one's states are its own."""
+    from logprobs import completion_logprobs
+
+    _, folder = hf_folder("qwen2", num_hidden_layers=3)
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    m = M.Transformer.from_pretrained(folder, dtype=torch.float32).train()
+    lora.apply_lora(m, rank=4, alpha=8)
+    m.compile_blocks = counting
+    torch._dynamo.reset()  # forget the graphs of Block.forward that earlier tests compiled
+    gen = torch.Generator().manual_seed(3)
+    pa, pb = torch.randint(0, 101, (7,), generator=gen).tolist(), torch.randint(0, 101, (5,), generator=gen).tolist()
+    for prompts in ([pa, pa, pa, pb], [pb, pb], [pa], [pb, pa, pa], [pb]):
+        lengths = torch.randint(1, 6, (len(prompts),), generator=gen)
+        completions = torch.randint(0, 101, (len(prompts), 6), generator=gen)
+        logp, _ = completion_logprobs(m, prompts, completions, lengths, 1.0, 1024)
+        logp.sum().backward()
+    assert len(graphs) == 2
+    tokens = torch.randint(0, 101, (1, 9), generator=gen)
+    with torch.no_grad():
+        torch.testing.assert_close(m.shared_prompt_hidden(tokens, [9], [0]), m.hidden(tokens), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("quantize,backend", [(False, None), (True, None), (False, "aot_eager")])
 def test_shared_prompt_hidden_is_hidden_of_each_whole_sequence(hf_folder, quantize, backend):
     """shared_prompt_hidden (a packed row of the distinct tokens: each shared prompt once, no padding)

@@ -375,6 +375,42 @@ def test_fp8_update_runs_the_base_gemms_in_fp8_and_nothing_else(hf_folder, monke
     assert metrics[1]["mismatch_kl"] > metrics[0]["mismatch_kl"]
 
 
+def test_update_runs_the_base_products_on_one_plan_at_any_token_count(hf_folder, monkeypatch):
+    """Inside train.update every base product and its dX take the dequant plan (fp4_gemm.dequant_plan),
+    whatever the micro-batch's token count: the engine's plan picks kernels by the count, and a count first
+    met in a later step would compile them then. Run with the Triton kernels (the interpreter here) as a GPU
+    runs them; the gradients are the torch path's; afterwards nothing is pinned, and a pin made before is kept."""
+    from engine import plan
+
+    _, folder = hf_folder("qwen2", num_hidden_layers=2)
+    m = M.Transformer.from_pretrained(folder, dtype=torch.float32, quantize=True)
+    params = lora.apply_lora(m, rank=4, alpha=8)
+    for p in params:
+        p.data.normal_(0, 0.1, generator=torch.Generator().manual_seed(p.numel()))
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 101, (7,), generator=gen).tolist()]
+    ro = type("Rollout", (), dict(tokens=torch.randint(0, 101, (4, 6), generator=gen), lengths=torch.tensor([6, 3, 5, 2]),
+                                  logprobs=-torch.rand(4, 6, generator=gen), finish=["stop"] * 4))
+    batch = fixed_batch(prompts, ro, torch.tensor([[1.0, 0, 0, 1]]))
+    optimizer = torch.optim.SGD(params, lr=0.0)
+    cfg = settings("--algo", "dapo", "--max-new-tokens", "6", "--no-compile", "--checkpointing", "off")
+    kernels = []
+    monkeypatch.setattr(plan, "_runnable_plan", (lambda f: lambda *a: kernels.append(f(*a)["kernel"]) or f(*a))(
+        plan._runnable_plan))
+    monkeypatch.setattr(plan, "plan_dx", (lambda f: lambda *a: kernels.append(f(*a)["kernel"]) or f(*a))(plan.plan_dx))
+    grads = []
+    for name in ("torch", "triton"):
+        with fp4_gemm.backend(name):
+            train.update(cfg, m, optimizer, params, batch)
+            assert fp4_gemm.pinned_kernel() is None
+        grads.append(torch.cat([p.grad.flatten() for p in params]))
+    layers = 7 * 2  # q, k, v, o, gate, up, down in each of 2 blocks; no dX for the first block's q, k, v
+    assert kernels == ["dequant"] * len(kernels) and len(kernels) == 2 * layers - 3
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)
+    with fp4_gemm.backend("triton", kernel="tiled"), fp4_gemm.dequant_plan():
+        assert fp4_gemm.pinned_kernel() == "tiled"
+
+
 def no_model(monkeypatch):
     def load(*a, **k):
         raise AssertionError("a model was loaded")

@@ -103,6 +103,21 @@ def test_timed_steps_compile_nothing_new(monkeypatch, marks):
     assert (r["recompiles"] == 0) == marks and r["grad_norm"] > 0
 
 
+def test_kernels_compiled_are_counted_through_tritons_hook(monkeypatch):
+    """compiled_kernels counts the calls of Triton's post-compile hook (one a kernel variant compiled, or loaded
+    from the disk cache, in this process: what a timed step must not do) from its first call on, and passes
+    each to a hook set before it."""
+    import triton
+
+    seen = []
+    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook", lambda **kw: seen.append(kw["key"]))
+    monkeypatch.setattr(bench_step, "_kernels", {"compiled": 0, "hooked": False})
+    assert bench_step.compiled_kernels() == 0
+    for key in ("a", "b"):
+        triton.knobs.runtime.jit_post_compile_hook(key=key)
+    assert bench_step.compiled_kernels() == 2 and seen == ["a", "b"]
+
+
 def test_steps_below_one_are_refused(capsys):
     """--steps counts the timed steps after the warm-up one: with none there is nothing to average, so the
     command line refuses it (argparse's error) before any model is built."""
@@ -167,16 +182,21 @@ def test_the_report_and_its_recompile_line():
     r = dict(step, mode="nvfp4", fits=True, plan=dict(rollout_rows=32, rollout_calls=2, keep_cache=False, micro_batch=8,
                                                       logp_chunk=1024, peak_rollout_gb=70.0, peak_update_gb=72.0),
              plan_table="memory plan", build_s=2.0, built_gb=50.0, checkpointing="on", peak_gb=66.0,
-             peak_rollout_gb=60.0, peak_update_gb=66.0, recompiles=0, batch1_tok_s=50.0, batch1_ms_step=20.0,
+             peak_rollout_gb=60.0, peak_update_gb=66.0, recompiles=0, kernel_recompiles=0, batch1_tok_s=50.0,
+             batch1_ms_step=20.0,
              batch1_floor_ms=14.0, batch1_share=0.7,
-             first_step=dict(step, step_s=60.0, capture_s=1.5, graphs_compiled=3))
+             first_step=dict(step, step_s=60.0, capture_s=1.5, graphs_compiled=3, kernels_compiled=40))
     lines = "\n".join(bench_step.mode_lines(r))
-    assert "first step 60.0 s" in lines and "3 graphs compiled" in lines and "steady 5.1 s (rollout 3.0 + update 2.0" in lines
+    assert "first step 60.0 s" in lines and "3 graphs and 40 kernels compiled" in lines
+    assert "steady 5.1 s (rollout 3.0 + update 2.0" in lines
     assert "(the plan: 65.2, 67.1)" in lines and "floor of 1.50 s (60%)" in lines and "floor 14.00 ms (70%)" in lines
     assert "recompiles in the timed steps: 0" in lines and "RECOMPILED" not in lines
-    assert "RECOMPILED: 2 graphs compiled in the timed steps" in "\n".join(bench_step.mode_lines(dict(r, recompiles=2)))
+    for graphs, kernels in ((2, 0), (0, 5)):
+        again = "\n".join(bench_step.mode_lines(dict(r, recompiles=graphs, kernel_recompiles=kernels)))
+        assert f"RECOMPILED: {graphs} graphs and {kernels} kernels compiled in the timed steps" in again
     table = bench_step.report(a, "header", {"nvfp4": r})
-    assert "| first step s | decode share | recompiles | mismatch_kl |" in table and "| 60.0 | 60% | 0 | 1.00e-03 |" in table
+    assert "| first step s | decode share | recompiles (graphs / kernels) | mismatch_kl |" in table
+    assert "| 60.0 | 60% | 0 / 0 | 1.00e-03 |" in table
 
 
 def test_the_decode_floor_of_a_rollout():
