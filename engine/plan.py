@@ -68,9 +68,14 @@ def plan_forward(M, N, K, dtype, device, mma=True):
     if kernel == "dequant":
         return dict(kernel="dequant", DQ=(16, 256, 4))
     if kernel == "mma":  # 64 weight rows a program, 128 (two row tiles a warp, sharing each lane's x) for
-        # gate/up from 2 rows of x and for q/k/v and down from 5; K split as _mma_split says
+        # gate/up from 2 rows of x and for q/k/v and down from 5; split K (up to 8 ways, 16 for down's long
+        # K) until there are ~2000 programs at M = 1, ~500 a row tile above
         rt = 2 if (M > 1 and N >= 16384) or (M > 4 and (N > 4096 or K >= 8192)) else 1
-        return dict(kernel="mma", ROW_TILES=rt, num_warps=4, SPLIT_K=_mma_split(M, N, K, rt, device))
+        cap = 16 if K >= 8192 else 8
+        split = 1
+        while split < cap and triton.cdiv(N, 64 * rt) * split < (2000 if M == 1 else 500 * rt):
+            split *= 2
+        return dict(kernel="mma", ROW_TILES=rt, num_warps=4, SPLIT_K=split)
     if kernel == "wgmma":  # 64 weight rows x 16, 32, 64 or 128 rows of x a program (128 for the wide or
         # long layers above 64 rows), k-steps of 256 or 128; K split to give the narrow layers more programs:
         # 8 ways below 64 rows of x, 4 at 64 rows, 2 above; gate/up has programs enough unsplit
@@ -194,26 +199,6 @@ def _ws_maxnreg(nwg):
 @functools.lru_cache(maxsize=None)
 def _sm_count(device):  # (asked by plan_forward on every call of a layer: cached)
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-# Programs of the mma kernel an SM holds: 4 warps of 60 registers a thread (64 as allocated), 8 to the 64K
-# registers (no shared memory to speak of)
-MMA_PROGRAMS_PER_SM = 8
-
-
-def _mma_split(M, N, K, rt, device):
-    """The mma kernel's K split (up to 8 ways, 16 for down's long K). At one row: the deepest split whose
-    programs all fit on the GPU at once (one wave), unsplit where even that does not: a second wave costs
-    more than a deeper split gains (--tune on the H100 at 7B and 32B shapes: results/engine_floor_h100.md).
-    Above (2-8 rows, on GPUs without wgmma): until there are ~500 programs a row tile."""
-    tiles, cap, split = triton.cdiv(N, 64 * rt), 16 if K >= 8192 else 8, 1
-    if M == 1:
-        while split < cap and tiles * split * 2 <= MMA_PROGRAMS_PER_SM * _sm_count(device):
-            split *= 2
-    else:
-        while split < cap and tiles * split < 500 * rt:
-            split *= 2
-    return split
 
 
 def _wgmma_rows_of_x(M, N, K):

@@ -200,13 +200,13 @@ def test_nonfinite_loss_skips_the_update(monkeypatch, tmp_path):
     assert all(torch.equal(B, torch.zeros_like(B)) for B in bs)  # nothing moved
 
 
-def fixed_batch(prompts, ro, rewards, mask_truncated=True):
+def fixed_batch(prompts, ro, rewards, mask_truncated=True, device="cpu"):
     """Stages 2 to 4 of train.py on a given rollout and rewards (P, G) in place of the graded ones: the
-    groups (train.groups_of), their advantages, this process's training batch."""
+    groups (train.groups_of), their advantages, this process's training batch (on `device`)."""
     P, G = rewards.shape
     zero = torch.zeros_like(rewards)
     groups = train.groups_of(list(range(P)), torch.stack([rewards, zero, zero, ro.lengths.view(P, G).float()]), ro)
-    return train.training_batch(groups, grpo.group_advantages(rewards), prompts.__getitem__, mask_truncated, "cpu")
+    return train.training_batch(groups, grpo.group_advantages(rewards), prompts.__getitem__, mask_truncated, device)
 
 
 def settings(*argv):
@@ -378,20 +378,22 @@ def test_fp8_update_runs_the_base_gemms_in_fp8_and_nothing_else(hf_folder, monke
 def test_update_runs_the_base_products_on_one_plan_at_any_token_count(hf_folder, monkeypatch):
     """Inside train.update every base product and its dX take the dequant plan (fp4_gemm.dequant_plan),
     whatever the micro-batch's token count: the engine's plan picks kernels by the count, and a count first
-    met in a later step would compile them then. Run with the Triton kernels (the interpreter here) as a GPU
-    runs them; the gradients are the torch path's; afterwards nothing is pinned, and a pin made before is kept."""
+    met in a later step would compile them then. Run on the engine's path (without a GPU: its kernels in
+    Triton's interpreter); the gradients are the torch path's; afterwards nothing is pinned, and a pin made
+    before is kept."""
     from engine import plan
 
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     _, folder = hf_folder("qwen2", num_hidden_layers=2)
-    m = M.Transformer.from_pretrained(folder, dtype=torch.float32, quantize=True)
+    m = M.Transformer.from_pretrained(folder, dtype=torch.float32, device=dev, quantize=True)
     params = lora.apply_lora(m, rank=4, alpha=8)
     for p in params:
-        p.data.normal_(0, 0.1, generator=torch.Generator().manual_seed(p.numel()))
+        p.data.copy_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 101, (7,), generator=gen).tolist()]
     ro = type("Rollout", (), dict(tokens=torch.randint(0, 101, (4, 6), generator=gen), lengths=torch.tensor([6, 3, 5, 2]),
                                   logprobs=-torch.rand(4, 6, generator=gen), finish=["stop"] * 4))
-    batch = fixed_batch(prompts, ro, torch.tensor([[1.0, 0, 0, 1]]))
+    batch = fixed_batch(prompts, ro, torch.tensor([[1.0, 0, 0, 1]]), device=dev)
     optimizer = torch.optim.SGD(params, lr=0.0)
     cfg = settings("--algo", "dapo", "--max-new-tokens", "6", "--no-compile", "--checkpointing", "off")
     kernels = []
@@ -399,7 +401,7 @@ def test_update_runs_the_base_products_on_one_plan_at_any_token_count(hf_folder,
         plan._runnable_plan))
     monkeypatch.setattr(plan, "plan_dx", (lambda f: lambda *a: kernels.append(f(*a)["kernel"]) or f(*a))(plan.plan_dx))
     grads = []
-    for name in ("torch", "triton"):
+    for name in ("torch", "auto" if dev == "cuda" else "triton"):
         with fp4_gemm.backend(name):
             train.update(cfg, m, optimizer, params, batch)
             assert fp4_gemm.pinned_kernel() is None
