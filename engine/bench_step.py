@@ -49,9 +49,10 @@ Every row reports the first (warm-up) step's time, which compiles the update's b
 rollout's CUDA graphs, beside the steady-state mean of the timed steps. A graph (torch.compile) or a
 kernel (Triton) compiled in a timed step is a recompile: a step brought a shape, such as a micro-batch's
 token count, that the first step had not compiled for. It is a bug to fix, not a cost to average: the
-counts are a line of their own and JSON fields (their seconds stay inside that step's times). The rollout's decode is set against
-its floor (weights and KV cache read once a step at the card's copy bandwidth, measured in the same run),
-as is the batch-1 decode of --decode-batch1. --json writes the rows, --md the tables.
+counts are a line of their own and JSON fields (their seconds stay inside that step's times). The
+rollout's decode is set against its floor (weights and KV cache read once a step at the card's copy
+bandwidth, measured in the same run), as is the batch-1 decode of --decode-batch1. --json writes the
+rows, --md the tables.
 """
 import argparse
 import faulthandler
@@ -461,8 +462,8 @@ def mode_lines(r):
                      f"({r['decode_share']:.0%})")
     if r["recompiles"] or r["kernel_recompiles"]:
         lines.append(f"    RECOMPILED: {compiled(r['recompiles'], r['kernel_recompiles'])} in the timed steps. A bug, not "
-                     f"a cost: a step met a shape (a token count) that the first step had not compiled for; its time "
-                     f"is in that step's")
+                     f"a cost: a step met a shape (a token count) that the first step had not compiled for; its seconds "
+                     f"are in that step's times")
     else:
         lines.append("    recompiles in the timed steps: 0")
     if "batch1_tok_s" in r:

@@ -200,12 +200,9 @@ def test_compiled_blocks_same_loss_and_lora_gradients(hf_folder, quantize):
             torch.testing.assert_close(g, g0, rtol=1e-4, atol=1e-6)
 
 
-def test_compiled_blocks_compile_once_for_every_shape(hf_folder):
-    """The update's micro-batches differ in token and sequence counts. Every block's input is marked
-    dynamic, so the blocks keep the two graphs of the test above through any such shapes (of two
-    sequences or more: torch specializes a count of one). Were only the first block's input marked, the
-    later blocks would compile a third time when the counts first change, which a user meets as one
-    RL step that takes seconds longer (results/step_h100.md)."""
+def counted_compiles(hf_folder):
+    """A 3-layer model with adapters, in training, whose blocks compile through a backend that keeps each graph
+    dynamo hands it (and runs it as is), the graphs earlier tests compiled forgotten. → (model, graphs)."""
     _, folder = hf_folder("qwen2", num_hidden_layers=3)
     graphs = []
 
@@ -216,7 +213,17 @@ def test_compiled_blocks_compile_once_for_every_shape(hf_folder):
     m = M.Transformer.from_pretrained(folder, dtype=torch.float32).train()
     lora.apply_lora(m, rank=4, alpha=8)
     m.compile_blocks = counting
-    torch._dynamo.reset()  # forget the graphs of Block.forward that earlier tests compiled
+    torch._dynamo.reset()
+    return m, graphs
+
+
+def test_compiled_blocks_compile_once_for_every_shape(hf_folder):
+    """The update's micro-batches differ in token and sequence counts. Every block's input is marked
+    dynamic, so the blocks keep the two graphs of the test above through any such shapes (of two
+    sequences or more: torch specializes a count of one). Were only the first block's input marked, the
+    later blocks would compile a third time when the counts first change, which a user meets as one
+    RL step that takes seconds longer (results/step_h100.md)."""
+    m, graphs = counted_compiles(hf_folder)
     gen = torch.Generator().manual_seed(3)
     for shape in [(2, 9), (3, 7), (2, 12), (5, 4)]:
         m(torch.randint(0, 101, shape, generator=gen)).float().logsumexp(-1).mean().backward()
@@ -230,17 +237,7 @@ def test_update_slices_compile_once_a_lone_sequence_included(hf_folder):
     their two graphs through slices of 4, 2, 1 and 3 sequences, and the lone one's states are its own."""
     from logprobs import completion_logprobs
 
-    _, folder = hf_folder("qwen2", num_hidden_layers=3)
-    graphs = []
-
-    def counting(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    m = M.Transformer.from_pretrained(folder, dtype=torch.float32).train()
-    lora.apply_lora(m, rank=4, alpha=8)
-    m.compile_blocks = counting
-    torch._dynamo.reset()  # forget the graphs of Block.forward that earlier tests compiled
+    m, graphs = counted_compiles(hf_folder)
     gen = torch.Generator().manual_seed(3)
     pa, pb = torch.randint(0, 101, (7,), generator=gen).tolist(), torch.randint(0, 101, (5,), generator=gen).tolist()
     for prompts in ([pa, pa, pa, pb], [pb, pb], [pa], [pb, pa, pa], [pb]):

@@ -397,9 +397,16 @@ def test_update_runs_the_base_products_on_one_plan_at_any_token_count(hf_folder,
     optimizer = torch.optim.SGD(params, lr=0.0)
     cfg = settings("--algo", "dapo", "--max-new-tokens", "6", "--no-compile", "--checkpointing", "off")
     kernels = []
-    monkeypatch.setattr(plan, "_runnable_plan", (lambda f: lambda *a: kernels.append(f(*a)["kernel"]) or f(*a))(
-        plan._runnable_plan))
-    monkeypatch.setattr(plan, "plan_dx", (lambda f: lambda *a: kernels.append(f(*a)["kernel"]) or f(*a))(plan.plan_dx))
+
+    def recorded(pick):  # the plan picker, each product's kernel noted
+        def pick_and_note(*args):
+            chosen = pick(*args)
+            kernels.append(chosen["kernel"])
+            return chosen
+        return pick_and_note
+
+    monkeypatch.setattr(plan, "_runnable_plan", recorded(plan._runnable_plan))  # (the forward's)
+    monkeypatch.setattr(plan, "plan_dx", recorded(plan.plan_dx))
     grads = []
     for name in ("torch", "auto" if dev == "cuda" else "triton"):
         with fp4_gemm.backend(name):

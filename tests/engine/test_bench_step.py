@@ -175,7 +175,8 @@ def test_a_plan_that_does_not_fit_builds_nothing():
 
 def test_the_report_and_its_recompile_line():
     """Each mode's lines: the first step beside the steady one, the peaks beside the plan's, the decode's
-    share of its floor; graphs compiled in a timed step on a line of their own, loudly; the table's columns."""
+    share of its floor; graphs or kernels compiled in a timed step on a line of their own, loudly; the table's
+    columns."""
     a = bench_step.parse_args("--decode-batch1".split())
     step = dict(rollout_s=3.0, update_s=2.0, other_s=0.1, step_s=5.1, rollout_tok_s=1e4, update_tok_s=4e4, mean_len=1024,
                 capture_s=0.0, decode_s=2.5, decode_floor_s=1.5, decode_share=0.6, mismatch_kl=1e-3)
@@ -183,8 +184,7 @@ def test_the_report_and_its_recompile_line():
                                                       logp_chunk=1024, peak_rollout_gb=70.0, peak_update_gb=72.0),
              plan_table="memory plan", build_s=2.0, built_gb=50.0, checkpointing="on", peak_gb=66.0,
              peak_rollout_gb=60.0, peak_update_gb=66.0, recompiles=0, kernel_recompiles=0, batch1_tok_s=50.0,
-             batch1_ms_step=20.0,
-             batch1_floor_ms=14.0, batch1_share=0.7,
+             batch1_ms_step=20.0, batch1_floor_ms=14.0, batch1_share=0.7,
              first_step=dict(step, step_s=60.0, capture_s=1.5, graphs_compiled=3, kernels_compiled=40))
     lines = "\n".join(bench_step.mode_lines(r))
     assert "first step 60.0 s" in lines and "3 graphs and 40 kernels compiled" in lines
