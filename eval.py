@@ -153,7 +153,8 @@ def evaluate(model, tokenizer, items, kind=None, *, samples=1, temperature=0.6, 
     if any(k is None for k in kinds):
         raise ValueError("items without a 'kind' need the kind argument ('gsm8k' or 'math')")
     prompts = [tasks.get_task(k, prompt).prompt_ids(tokenizer, it["question"]) for it, k in zip(items, kinds)]
-    problem = too_long(max(len(p) for p in prompts), max_new_tokens, positions_of(getattr(model, "config", None)))
+    longest = max(len(p) for p in prompts)
+    problem = too_long(longest, max_new_tokens, positions_of(getattr(model, "config", None)))
     if problem:
         raise ValueError(f"evaluate: {problem}")
     stops = stop_token_ids(tokenizer)
@@ -171,7 +172,8 @@ def evaluate(model, tokenizer, items, kind=None, *, samples=1, temperature=0.6, 
         batch = []
         chunk = prompts[start:start + per_call]
         ro = rollout.generate(model, chunk, n=samples, max_new_tokens=max_new_tokens, temperature=temperature,
-                              top_p=top_p, stop_ids=stops, seed=seed + b, pad_id=pad_id)
+                              top_p=top_p, stop_ids=stops, seed=seed + b, pad_id=pad_id,
+                              prompt_len=longest)  # (every chunk's cache as wide: the engine keeps one state)
         texts = ro.texts(tokenizer, skip_special_tokens=True)
         for row, text in enumerate(texts):
             i = start + int(ro.prompt_index[row])

@@ -76,6 +76,7 @@ GiB = 2**30
 HEADROOM_FRACTION = 0.05  # of the cap, plus 1 GiB: the allocator's fragmentation and what is not counted here
 LOGP_COPIES = 5  # float32 (chunk, V) arrays alive at once for a chunk's logprobs, forward and backward
 CACHE_COLUMNS = 128  # the engine's cache width is the prompt + new tokens rounded up to this (engine/decode.py)
+PROMPT_BUCKET = 64  # the prompt rounded up to this first, as the engine pads a graphed prefill's prompts
 MIN_LOGP_CHUNK = 128  # the plan lowers the logprob chunk down to this, no further
 PCIE_BYTES_S = 25e9  # host <-> GPU copies, for the cost of CPU offload (PCIe 4.0 x16 in practice; Gen5 about 2x)
 # the linears that the decode engine runs as one GEMM (engine/decode.py's _Layer), for its LoRA copies
@@ -156,8 +157,10 @@ def kv_bytes_per_token(cfg, dtype=torch.bfloat16, kv_cache="model"):
 
 
 def cache_columns(prompt_len, max_new_tokens):
-    """The engine's cache width for prompts of up to prompt_len tokens and max_new_tokens new ones."""
-    return CACHE_COLUMNS * math.ceil((prompt_len + max_new_tokens) / CACHE_COLUMNS)
+    """The engine's cache width for prompts of up to prompt_len tokens and max_new_tokens new ones: the width
+    of every rollout.generate call told that prompt_len is the longest prompt to come, whatever its own."""
+    prompt = PROMPT_BUCKET * math.ceil(prompt_len / PROMPT_BUCKET)
+    return CACHE_COLUMNS * math.ceil((prompt + max_new_tokens) / CACHE_COLUMNS)
 
 
 def rollout_bytes(cfg, dtype, rows, prompts, prompt_len, max_new_tokens, quant="nvfp4", kv_cache="model"):
@@ -285,6 +288,7 @@ class Plan:
     offload: str = None  # CPU offload, only where it is the one way to keep the recipe, with its cost
     title: str = ""
     eval_rows: int = None  # completions a held-out evaluation's rollout.generate call may take (None: not asked)
+    prompt_len: int = 0  # the longest prompt of a step (tokens): every rollout call's cache is as wide as for it
 
     @property
     def fits(self):
@@ -503,4 +507,4 @@ def plan(cfg, cap, *, prompts, group_size, prompt_len, max_new_tokens, micro_bat
     return Plan(cap=cap, headroom=head, fixed=fixed, rollout=ro, update=upd, rollout_rows=per_call * group_size,
                 rollout_calls=calls, keep_cache=keep, checkpointing=ckpt, micro_batch=m, logp_chunk=chunk,
                 asked=dict(rollout_rows=prompts * group_size, micro_batch=micro_batch, logp_chunk=logp_chunk),
-                problems=problems, offload=offload, title=title, eval_rows=eval_rows)
+                problems=problems, offload=offload, title=title, eval_rows=eval_rows, prompt_len=prompt_len)

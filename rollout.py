@@ -520,7 +520,8 @@ def uses_engine(model, kernels):
 
 
 def generate(model, prompts, *, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0, top_k=0, stop_ids=(),
-             seed=None, pad_id=0, kernels="auto", graphs="auto", stream=None, compact=True, kv_cache="model"):
+             seed=None, pad_id=0, kernels="auto", graphs="auto", stream=None, compact=True, kv_cache="model",
+             prompt_len=0):
     """Sample n completions of each prompt (lists of token ids) → Rollout (see its docstring).
 
     temperature 0 is greedy; top_p / top_k truncate the sampling set (the logprobs stay those of the
@@ -531,7 +532,9 @@ def generate(model, prompts, *, n=1, max_new_tokens=256, temperature=1.0, top_p=
     the engine's (engine/decode.py: CUDA graphs, the live rows moved to fewer as rows finish; this
     file's sampler always moves them). kv_cache: "model" (K/V in the model's dtype) or "fp8" (E4M3 with a
     scale a token and kv head, KVCache: about half the cache's memory, an option that moves the sampler's
-    numbers away from the trainer's)."""
+    numbers away from the trainer's). prompt_len: the longest prompt the calls to come may bring (train.py:
+    its data's, as the memory plan counts); the engine makes each call's cache that wide whatever its own
+    prompts, so that a run's calls share one state and its CUDA graphs."""
     check_kv_cache(kv_cache)
     # ---- the one dispatch point: the fast engine, where a GPU is there ------------------------------
     if uses_engine(model, kernels):
@@ -539,7 +542,8 @@ def generate(model, prompts, *, n=1, max_new_tokens=256, temperature=1.0, top_p=
 
         return decode.generate(model, prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
                                top_p=top_p, top_k=top_k, stop_ids=stop_ids, seed=seed, pad_id=pad_id, kernels=kernels,
-                               graphs=graphs, stream=stream, compact=compact, kv_cache=kv_cache)
+                               graphs=graphs, stream=stream, compact=compact, kv_cache=kv_cache,
+                               prompt_len=prompt_len)
     if graphs not in ("auto", True, False):
         raise ValueError(f"graphs must be auto|True|False, got {graphs!r}")
     if graphs is True:

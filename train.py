@@ -89,11 +89,13 @@ class Group:
     texts: list = None
 
 
-def sample(model, prompts, args, stop_ids, sigma, noise_seed, seed, per_call=None, keep_cache=True):
+def sample(model, prompts, args, stop_ids, sigma, noise_seed, seed, per_call=None, keep_cache=True, prompt_len=0):
     """Stage 1: args.group_size completions of each prompt at the rollout's temperature and top-p, with AQN's
     noise of std `sigma` on the norms (None: AQN off), drawn from noise_seed, the same for every round of a
     step; in rollout.generate calls of `per_call` prompts (the memory plan's; None: one call), each row with
-    the key it has in one call, so the rows are the same. → rollout.Rollout."""
+    the key it has in one call, so the rows are the same; their KV cache as wide as for a prompt of prompt_len
+    tokens (the plan's longest), so that every step's calls reuse the engine's state and graphs, whatever
+    the step's own longest prompt. → rollout.Rollout."""
     model.eval()
     gen = torch.Generator(model.device if model.device.type == "cuda" else "cpu").manual_seed(noise_seed)
     noisy = aqn.noise(model, sigma, gen) if sigma is not None else contextlib.nullcontext()
@@ -101,7 +103,8 @@ def sample(model, prompts, args, stop_ids, sigma, noise_seed, seed, per_call=Non
     with torch.no_grad(), noisy:
         parts = [rollout.generate(model, prompts[i:i + per_call], n=G, max_new_tokens=args.max_new_tokens,
                                   temperature=args.temperature, top_p=args.top_p, stop_ids=stop_ids,
-                                  seed=ddp.shift_seed(seed, i * G), kv_cache=recipes.kv_cache(args))
+                                  seed=ddp.shift_seed(seed, i * G), kv_cache=recipes.kv_cache(args),
+                                  prompt_len=prompt_len)
                  for i in range(0, len(prompts), per_call)]
     if not keep_cache:  # (the plan has no room for the cache beside the update: the next call rebuilds it)
         rollout.release(model)
@@ -415,6 +418,8 @@ def run(args, model_dir, data, checkpoint, out, world, device, plan=None):
 
     bar = tqdm(total=args.steps, initial=step, desc="RL", unit="step", dynamic_ncols=True, disable=not world.main)
     skipped = []  # the steps in a row whose update a non-finite loss or gradient skipped
+    # the plan's rollout (on a GPU): prompts a call, the cache kept through the update or not, the cache's width
+    layout = (plan.rollout_rows // args.group_size, plan.keep_cache, plan.prompt_len) if plan else ()
     while step < args.steps:
         t0 = time.time()
         sigma = schedule.sigma(step) if args.aqn else 0.0
@@ -424,8 +429,7 @@ def run(args, model_dir, data, checkpoint, out, world, device, plan=None):
             lo, hi = ddp.shard(len(items), world)  # (this rank's block; its rows keep their one-process keys)
             seed = ddp.shift_seed(args.seed * 7919 + step * 31 + rounds, lo * args.group_size)
             ro = sample(model, [encode(it) for it in items[lo:hi]], args, stops, sigma if args.aqn else None,
-                        args.seed * 1_000_003 + step, seed, plan and plan.rollout_rows // args.group_size,
-                        not plan or plan.keep_cache) if hi > lo else None                                 # 1. sample
+                        args.seed * 1_000_003 + step, seed, *layout) if hi > lo else None                # 1. sample
             groups = reward(items, ro, ro.texts(tokenizer) if ro else [], lo, args, world, device)    # 2. reward
             sampled_tokens += int(sum(g.lengths.sum() for g in groups))
             keep = dapo.informative_groups(torch.stack([g.correct for g in groups])) if args.dynamic_sampling \

@@ -57,6 +57,7 @@ import triton
 
 import fp4_gemm
 import lora
+import memory
 import rollout
 from engine.decode_kernels import (_add_rmsnorm_kernel, _attn_combine_kernel, _attn_partial_kernel, _lora_b_kernel,
                                    _rope_write_kernel, _sample_final_kernel, _sample_partial_kernel, _silu_mul_kernel)
@@ -74,7 +75,7 @@ SHARED_HEADS = 32
 # multiple of PREFILL_BUCKET so that prompts of nearby lengths share a graph. Larger prefills keep the GPU
 # busy eagerly. 0: always eager.
 PREFILL_GRAPH_TOKENS = 2048
-PREFILL_BUCKET = 64
+PREFILL_BUCKET = memory.PROMPT_BUCKET
 # An eager prefill runs this many prompt tokens at a time at most (whole prompts), so that its activations
 # (a gate|up output of 16384 tokens is 1.2 GB for a 7B model) stay a small part of the memory
 PREFILL_CHUNK_TOKENS = 16384
@@ -750,7 +751,7 @@ class Decoder:
         return m.norm(last(x) + last(delta))
 
     @torch.no_grad()
-    def run(self, prompts, n, max_new_tokens, sp, seed, stream=None, check_every=16, compact=True):
+    def run(self, prompts, n, max_new_tokens, sp, seed, stream=None, check_every=16, compact=True, prompt_len=0):
         P, dev = len(prompts), self.device
         N = P * n
         Lp = max(len(p) for p in prompts)
@@ -758,7 +759,11 @@ class Decoder:
         graphed_prefill = self.graphs and P * bucket <= PREFILL_GRAPH_TOKENS
         if graphed_prefill:  # nearby prompt lengths share one prefill graph
             Lp = bucket
-        S = 128 * math.ceil((Lp + max_new_tokens) / 128)  # rounded so that later calls reuse the graphs
+        # The cache's columns: rounded so that later calls reuse the state and its graphs, and as wide as
+        # prompt_len asks (the longest prompt of the calls to come), so that calls whose longest prompts differ
+        # share one state, not one each (a cache and a set of graphs captured in whichever call first brings
+        # the width)
+        S = memory.cache_columns(max(Lp, prompt_len), max_new_tokens)
         st = self.state(N, S)
         nstop = max(16, _pow2(len(sp.stop_ids)))
         if st.stops.numel() != nstop:
@@ -900,20 +905,22 @@ def _decoder(model, kernels, graphs, kv="model"):
 
 
 def generate(model, prompts, *, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0, top_k=0, stop_ids=(),
-             seed=None, pad_id=0, kernels="auto", graphs="auto", stream=None, compact=True, kv_cache="model"):
+             seed=None, pad_id=0, kernels="auto", graphs="auto", stream=None, compact=True, kv_cache="model",
+             prompt_len=0):
     """rollout.generate through this engine whatever the device (rollout.generate comes here on a CUDA GPU
     with Triton, or with kernels="triton"): the same arguments and Rollout. kernels: "triton" (default on
     CUDA) or "torch" (the fused ops as torch ops, default elsewhere); graphs: CUDA graphs for the decode
     step and short prefills (PREFILL_GRAPH_TOKENS; default on CUDA, True only there). stream(step,
     tokens (N,)) forces a sync per step. compact: as rows finish, the live ones move into a state of half
     the rows or fewer (Decoder.shrink; not with stream). kv_cache: what the cache stores (rollout.KVCache);
-    the engine is rebuilt when it changes."""
+    the engine is rebuilt when it changes. prompt_len: the cache's width is set as for a prompt this long at
+    least (Decoder.run)."""
     prompts, sp, seed = rollout.sampling_setup(prompts, n, max_new_tokens, temperature, top_p, top_k, stop_ids, seed,
                                                pad_id)
     was_training = model.training
     model.eval()
     try:
         dec = _decoder(model, kernels, graphs, kv_cache)
-        return dec.run(prompts, n, max_new_tokens, sp, seed, stream, compact=compact)
+        return dec.run(prompts, n, max_new_tokens, sp, seed, stream, compact=compact, prompt_len=prompt_len)
     finally:
         model.train(was_training)

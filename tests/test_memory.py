@@ -30,6 +30,8 @@ def test_the_parts_at_the_7b_and_72b_shapes_by_hand():
     assert memory.kv_bytes_per_token(Q7) == 2 * 28 * 4 * 128 * 2 == 57344
     assert memory.kv_bytes_per_token(Q72) == 2 * 80 * 8 * 128 * 2 == 327680  # 320 KiB
     assert memory.cache_columns(256, 1024) == 1280 and memory.cache_columns(200, 2048) == 2304
+    # the prompt rounded up to 64 first, as a graphed prefill pads it: 65 + 40 takes 128 + 40
+    assert memory.cache_columns(64, 40) == 128 and memory.cache_columns(65, 40) == 256
     ro = memory.rollout_bytes(Q72, BF16, rows=64, prompts=8, prompt_len=256, max_new_tokens=1024)
     assert ro["kv cache"] == 64 * 1280 * 327680 == 26_843_545_600  # the 21 GB is 64 rows of 1024
     # the linears: q, k, v, o, gate, up, down of every block
@@ -122,7 +124,7 @@ def test_the_plan_of_a_72b_step_on_80_gb():
     assert "lowered to fit: rollout_rows 64 -> 32" in p.describe() and "released after each rollout" in p.describe()
     p7 = memory.plan(Q7, 80e9, **BENCH)
     assert (p7.rollout_rows, p7.rollout_calls, p7.keep_cache, p7.checkpointing, p7.micro_batch) == (64, 1, True, False, 8)
-    assert "lowered" not in p7.describe()
+    assert "lowered" not in p7.describe() and p7.prompt_len == BENCH["prompt_len"]  # (the rollout's cache width)
     # no cap (the CPU): the asked settings, nothing fitted
     free = memory.plan(Q72, None, **BENCH)
     assert free.fits and (free.rollout_rows, free.keep_cache, free.micro_batch, free.checkpointing) == (64, True, 8, False)

@@ -266,6 +266,24 @@ def test_every_smaller_state_is_captured_with_the_full_one(hf_folder, monkeypatc
     assert len(set(map(tuple, shrinks))) > 1  # (the calls' rows did pass through different counts)
 
 
+def test_calls_told_the_longest_prompt_share_one_state(hf_folder):
+    """generate's prompt_len (train.py: the memory plan's longest prompt): calls whose own longest prompts
+    differ get caches of one width, so they share the engine's state (keyed by rows and width: its cache and
+    its graphs) where each width would otherwise make a state of its own, captured in whichever later step
+    first brings it; the rollouts are those of calls without it."""
+    _, model = load(hf_folder, seed=12)
+    short, long = prompts_of([3, 6], 97, seed=13), prompts_of([40, 90], 97, seed=14)
+    widths = {}
+    for prompt_len in (0, 90):
+        for prompts in (short, long):
+            got = decode.generate(model, prompts, n=2, max_new_tokens=40, temperature=1.3, seed=5, kernels="torch",
+                                  prompt_len=prompt_len)
+            ref = decode.generate(model, prompts, n=2, max_new_tokens=40, temperature=1.3, seed=5, kernels="torch")
+            assert_same_rollout(got, ref, atol=1e-5)
+            widths.setdefault(prompt_len, set()).add(got.stats["cache_columns"])
+    assert widths == {0: {128, 256}, 90: {256}}  # (64 + 40 and 128 + 40 columns, rounded up to 128)
+
+
 def test_samples_share_the_prompt_prefill(hf_folder):
     _, model = load(hf_folder, seed=9)
     seen = []
