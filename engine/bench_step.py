@@ -239,15 +239,17 @@ def compiled_kernels():
     launch config first met (torch.compile's own kernels come with its graphs, counted apart). Counted by
     Triton's post-compile hook, chained to any hook set before."""
     if not _kernels["hooked"]:
-        import triton
-
-        before = triton.knobs.runtime.jit_post_compile_hook
+        try:
+            from triton import knobs
+        except ImportError:  # (no Triton, or one before 3.4, which has no such hook: the count stays 0)
+            return 0
+        before = knobs.runtime.jit_post_compile_hook
 
         def hook(**kwargs):
             _kernels["compiled"] += 1
             return before(**kwargs) if before else None
 
-        triton.knobs.runtime.jit_post_compile_hook = hook
+        knobs.runtime.jit_post_compile_hook = hook
         _kernels["hooked"] = True
     return _kernels["compiled"]
 
