@@ -363,17 +363,16 @@ def run_mode(a, mode, device, cfg, plan=None, copy_tb_s=None):
     stops = stop_ids(a, cfg.vocab_size)
     ua = update_config(a, plan, fp8=mode == "nvfp4+fp8")
     weights, kv_token = step_bytes(model), memory.kv_bytes_per_token(cfg, model.dtype, kv_cache_of(mode))
-    rows, graphs, kernels = [], compiled_graphs(), compiled_kernels()
+    rows = []
     for step in range(a.steps + 1):  # step 0 warms up (compilation, graph capture, autotuning)
+        graphs, kernels = compiled_graphs(), compiled_kernels()
         row, metrics, batch, calls = timed_step(model, optimizer, params, prompts, a, plan, ua, stops, gen,
                                                 step, device, cuda, kv_cache_of(mode))
         if copy_tb_s:
             row["decode_floor_s"] = sum(decode_floor_s(ro.stats["segments"], weights, kv_token, a.group_size,
                                                        a.prompt_len, copy_tb_s) for ro in calls)
             row["decode_share"] = row["decode_floor_s"] / row["decode_s"]
-        row["graphs_compiled"] = compiled_graphs() - graphs
-        row["kernels_compiled"] = compiled_kernels() - kernels
-        graphs, kernels = graphs + row["graphs_compiled"], kernels + row["kernels_compiled"]
+        row["graphs_compiled"], row["kernels_compiled"] = compiled_graphs() - graphs, compiled_kernels() - kernels
         rows.append(row)
         print(f"    {mode} step {step}{' (warm-up)' if not step else ''}: {row['step_s']:.1f} s = rollout "
               f"{row['rollout_s']:.1f} (captures {row['capture_s']:.1f}) + update {row['update_s']:.1f} + other "
