@@ -56,7 +56,6 @@ rows, --md the tables.
 """
 import argparse
 import faulthandler
-import functools
 import gc
 import math
 import time
@@ -111,8 +110,9 @@ def parse_args(argv=None):
                    "(1e9 bytes; e.g. 80 for an 80 GB card on a larger one), and plan the step in it")
     p.add_argument("--decode-batch1", action="store_true", help="also time batch-1 rollout tok/s, against its floor")
     p.add_argument("--no-compile", action="store_true", help="update with eager blocks (as train.py --no-compile)")
-    p.add_argument("--profile", action="store_true", help="also say where a step's time goes: the rollout's decode at "
-                   "each batch size (its last timed call) and one more update under torch.profiler, by kind of kernel")
+    p.add_argument("--profile", action="store_true", help="also say where a step's time goes, in one more step after "
+                   "the timed ones: its rollout's decode at each batch size, its update under torch.profiler (kernels by "
+                   "kind, and the GPU's idle time between them by what it waited for)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write every mode's row (plan, first and steady "
                    "steps, peaks, floors, recompiles) as JSON here, after each mode")
     p.add_argument("--md", default=None, metavar="PATH", help="also write the printed tables (markdown) here")
@@ -180,44 +180,70 @@ KINDS = (("attention", ("flash", "fmha", "attention", "cudnn", "sdpa")),
                                                     "mul", "add", "exp", "log")))
 
 
+def kind_of(name):
+    """The KINDS entry a kernel (or, on the CPU, an operator) name falls in."""
+    name = name.lower()
+    return next((k for k, pats in KINDS if any(q in name for q in pats)), "other")
+
+
 def profile_update(run, device):
-    """Run one update (`run`) under torch.profiler: (wall s, {kind: kernel s}) with the device's kernels
-    (CUDA) or the CPU's operators (the CPU, for the tests) grouped by KINDS."""
+    """Run `run` (one update) under torch.profiler. → ({kind: kernel s}: the device's kernels (CUDA) or the
+    CPU's operators (the CPU, for the tests) grouped by KINDS; the seconds the GPU sat idle between its
+    kernels; {kind: idle s} that idle by the kind of the kernel each gap ended with, which says what the GPU
+    was waiting to be given (both None on the CPU)). The profiler slows the host (it traces every launch), so
+    the wall time to set these against is an unprofiled update's."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
     sync(device)
-    t0 = time.time()
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         run()
         sync(device)
-    wall = time.time() - t0
     kinds = {}
     for e in prof.key_averages():
         us = (getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)) if cuda \
             else e.self_cpu_time_total
         if us <= 0 or (cuda and e.key.startswith(("aten::", "cuda"))):  # (the CPU side of a launch)
             continue
-        name = e.key.lower()
-        kind = next((k for k, pats in KINDS if any(q in name for q in pats)), "other")
+        kind = kind_of(e.key)
         kinds[kind] = kinds.get(kind, 0.0) + us / 1e6
-    return wall, kinds
+    if not cuda:
+        return kinds, None, None
+    kernels = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type.name == "CUDA"]
+    before = {}
+    for gap, name in gaps_between(kernels):
+        before[kind_of(name)] = before.get(kind_of(name), 0.0) + gap
+    return kinds, sum(before.values()), before
+
+
+def gaps_between(kernels):
+    """The GPU's idle stretches between kernels ((start, end, name) in µs, on any streams): (seconds, the name
+    of the kernel that ended it) for each stretch that no kernel covers."""
+    out, end = [], None
+    for a, b, name in sorted(kernels):
+        if end is not None and a > end:
+            out.append(((a - end) / 1e6, name))
+        end = b if end is None else max(end, b)
+    return out
 
 
 def profile_text(mode, stats, update):
     """Where a step's time went: the rollout's prefill, its decode at each batch size (engine/decode.py's
-    segments: rows, steps, seconds) and graph captures; the update's kernels by kind, and the rest of its
-    wall time (the device waiting on the host, or host work)."""
+    segments: rows, steps, seconds) and graph captures; the update's time (the timed steps'), and under the
+    profiler its kernels by kind and the GPU's idle time between them, by what it waited for (profile_update)."""
     lines = [f"  {mode}: rollout: prefill {stats['prefill_s'] * 1e3:.0f} ms, captures {stats['capture_s']:.2f} s, decode "
              f"{stats['decode_s']:.2f} s in {stats['steps'] - 1} steps:"]
     for rows, steps, sec in stats.get("segments", []):
         lines.append(f"      {rows:4d} rows: {steps:5d} steps, {sec:6.2f} s, {sec / max(steps, 1) * 1e3:6.2f} ms a step")
-    wall, kinds = update
+    wall, kinds, idle, before = update
     busy = sum(kinds.values())
-    lines.append(f"    update (one more, profiled): {wall:.2f} s wall, {busy:.2f} s in kernels, {max(0.0, wall - busy):.2f} s "
-                 f"not (launch gaps, host work):")
+    lines.append(f"    update: {wall:.2f} s a timed step; one more step's, under the profiler: {busy:.2f} s in kernels"
+                 + (f", the GPU idle {idle:.2f} s between them" if idle is not None else "") + ":")
     for kind, sec in sorted(kinds.items(), key=lambda kv: -kv[1]):
         lines.append(f"      {kind:<40} {sec:6.3f} s  {sec / max(busy, 1e-9):5.1%}")
+    if before:
+        lines.append("      the idle, by the kernel it ended with: " + ", ".join(
+            f"{kind} {sec:.3f} s" for kind, sec in sorted(before.items(), key=lambda kv: -kv[1])))
     return "\n".join(lines)
 
 
@@ -295,9 +321,11 @@ def decode_floor_s(segments, weights, kv_token, group_size, prompt_len, copy_tb_
     return floor
 
 
-def timed_step(model, optimizer, params, prompts, a, plan, ua, stops, gen, step, device, cuda, kv_cache="model"):
+def timed_step(model, optimizer, params, prompts, a, plan, ua, stops, gen, step, device, cuda, kv_cache="model",
+               update=None):
     """One RL step: rollout (in the plan's calls), the cache released where the plan says, the reward stand-in,
-    one update. → (a row of timings and peaks, the update's metrics, its batch, the rollout calls)."""
+    one update (train.update, or `update` in its place: a profiled one). → (a row of timings and peaks, the
+    update's metrics, its batch, the rollout calls)."""
     sync(device)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -316,7 +344,7 @@ def timed_step(model, optimizer, params, prompts, a, plan, ua, stops, gen, step,
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     batch = training_batch(calls, correct, prompts, device)
-    metrics = train.update(ua, model, optimizer, params, batch)
+    metrics = (update or train.update)(ua, model, optimizer, params, batch)
     sync(device)
     t3 = time.time()
     calls = [ro for _, ro in calls]
@@ -388,9 +416,17 @@ def run_mode(a, mode, device, cfg, plan=None, copy_tb_s=None):
     res["peak_rollout_gb"] = max(r["peak_rollout_gb"] for r in rows)
     res["peak_update_gb"] = max(r["peak_update_gb"] for r in rows)
     res["peak_gb"] = max(res["peak_rollout_gb"], res["peak_update_gb"])
-    if a.profile:
-        again = functools.partial(train.update, ua, model, optimizer, params, batch)  # the last step's batch once more
-        res["profile"] = profile_text(mode, calls[-1].stats, profile_update(again, device))
+    if a.profile:  # one more step, its update under the profiler: an update right after a rollout, as a timed
+        # step's is (the same batch updated again runs without the host stalls that this one may meet)
+        found = {}
+
+        def profiled(*args):
+            found["profile"] = profile_update(lambda: found.setdefault("metrics", train.update(*args)), device)
+            return found["metrics"]
+
+        _, _, _, calls = timed_step(model, optimizer, params, prompts, a, plan, ua, stops, gen, a.steps + 1, device,
+                                    cuda, kv_cache_of(mode), update=profiled)
+        res["profile"] = profile_text(mode, calls[-1].stats, (res["update_s"], *found["profile"]))
     res.update(grad_norm=metrics["grad_norm"], checkpointing="on" if metrics["checkpointing"] else "off",
                micro_batch=plan.micro_batch, logp_chunk=plan.logp_chunk, rollout_rows=plan.rollout_rows,
                rollout_calls=plan.rollout_calls, keep_cache=plan.keep_cache)
@@ -549,7 +585,7 @@ def main(argv=None):
         if a.md:
             write_text(a.md, report(a, header, results) + "\n")
     if a.profile:
-        print("\nWhere the time goes (the last timed step's last rollout call; one more update, profiled):")
+        print("\nWhere the time goes (one more step after the timed ones: its last rollout call, its update profiled):")
         for r in results.values():
             if "profile" in r:
                 print(r["profile"])

@@ -34,16 +34,28 @@ def test_rl_step_runs_and_moves_lora_on_every_base():
 
 
 def test_profile_says_where_the_step_went():
-    """--profile: the rollout's decode in segments whose steps add up to the rollout's, and one more update
-    profiled, its operators grouped by kind (the CPU's, here), the GEMMs among them."""
+    """--profile: one more step after the timed ones, its rollout's decode in segments whose steps add up to
+    the rollout's, its update profiled (right after its rollout, as a timed step's), its operators grouped by
+    kind (the CPU's, here), the GEMMs among them."""
     a = bench_step.parse_args("--prompts 4 --group-size 4 --prompt-len 5 --new-tokens 40 --steps 1 --lora-rank 4 "
                               "--micro-batch 4 --early-stop 8 --profile".split())
     r = bench_step.run_mode(a, "nvfp4", torch.device("cpu"), tiny_shape())
     text = r["profile"]
-    assert "rows:" in text and "GEMM" in text and "update (one more, profiled)" in text
+    assert "rows:" in text and "GEMM" in text and f"update: {r['update_s']:.2f} s a timed step" in text
     stats = dict(prefill_s=0.01, capture_s=0.5, decode_s=1.0, steps=31, segments=[(16, 20, 0.6), (4, 10, 0.4)])
-    text = bench_step.profile_text("x", stats, (2.0, {"GEMM (cuBLAS, FP8 or bf16)": 1.2, "attention": 0.3}))
-    assert "  16 rows:    20 steps,   0.60 s,  30.00 ms a step" in text and "0.50 s not" in text and "80.0%" in text
+    kinds = {"GEMM (cuBLAS, FP8 or bf16)": 1.2, "attention": 0.3}
+    text = bench_step.profile_text("x", stats, (2.0, kinds, 0.25, {"attention": 0.05, "GEMM (cuBLAS, FP8 or bf16)": 0.2}))
+    assert "  16 rows:    20 steps,   0.60 s,  30.00 ms a step" in text and "80.0%" in text
+    assert "update: 2.00 s a timed step; one more step's, under the profiler: 1.50 s in kernels, the GPU idle 0.25 s" in text
+    assert "the idle, by the kernel it ended with: GEMM (cuBLAS, FP8 or bf16) 0.200 s, attention 0.050 s" in text
+
+
+def test_gaps_between_kernels_on_any_stream():
+    """The GPU's idle stretches: overlapping kernels (two streams) cover time once, and each stretch is named
+    by the kernel that ended it."""
+    kernels = [(0, 10, "a"), (5, 20, "b"), (30, 40, "d"), (25, 28, "c")]
+    assert bench_step.gaps_between(kernels) == [(pytest.approx(5e-6), "c"), (pytest.approx(2e-6), "d")]
+    assert bench_step.gaps_between([]) == []
 
 
 def test_rl_step_with_completions_that_stop_early():
