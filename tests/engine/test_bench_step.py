@@ -33,13 +33,19 @@ def test_rl_step_runs_and_moves_lora_on_every_base():
         bench_step.parse_args(["--modes", "nvfp4,fp8"])
 
 
-def test_profile_says_where_the_step_went():
+def test_profile_says_where_the_step_went(monkeypatch):
     """--profile: one more step after the timed ones, its rollout's decode in segments whose steps add up to
-    the rollout's, its update profiled (right after its rollout, as a timed step's), its operators grouped by
-    kind (the CPU's, here), the GEMMs among them."""
+    the rollout's, its update profiled (right after its rollout, as a timed step's: the same batch updated
+    again would not meet what an update after a rollout meets), its operators grouped by kind (the CPU's,
+    here), the GEMMs among them."""
     a = bench_step.parse_args("--prompts 4 --group-size 4 --prompt-len 5 --new-tokens 40 --steps 1 --lora-rank 4 "
                               "--micro-batch 4 --early-stop 8 --profile".split())
+    order, generate, update, profile = [], bench_step.rollout.generate, bench_step.train.update, bench_step.profile_update
+    monkeypatch.setattr(bench_step.rollout, "generate", lambda *x, **k: order.append("rollout") or generate(*x, **k))
+    monkeypatch.setattr(bench_step.train, "update", lambda *x, **k: order.append("update") or update(*x, **k))
+    monkeypatch.setattr(bench_step, "profile_update", lambda *x: order.append("profiled:") or profile(*x))
     r = bench_step.run_mode(a, "nvfp4", torch.device("cpu"), tiny_shape())
+    assert order == ["rollout", "update"] * 2 + ["rollout", "profiled:", "update"]  # (warm-up, timed, profiled)
     text = r["profile"]
     assert "rows:" in text and "GEMM" in text and f"update: {r['update_s']:.2f} s a timed step" in text
     stats = dict(prefill_s=0.01, capture_s=0.5, decode_s=1.0, steps=31, segments=[(16, 20, 0.6), (4, 10, 0.4)])
