@@ -187,11 +187,15 @@ def kind_of(name):
 
 
 def profile_update(run, device):
-    """Run `run` (one update) under torch.profiler. → ({kind: kernel s}: the device's kernels (CUDA) or the
-    CPU's operators (the CPU, for the tests) grouped by KINDS; the seconds the GPU sat idle between its
-    kernels; {kind: idle s} that idle by the kind of the kernel each gap ended with, which says what the GPU
-    was waiting to be given (both None on the CPU)). The profiler slows the host (it traces every launch), so
-    the wall time to set these against is an unprofiled update's."""
+    """Run `run` (one update) under torch.profiler. → (kinds, idle, before, longest):
+
+        kinds    {kind: s}: the device's kernels (CUDA) or the CPU's operators (the CPU, for the tests) by KINDS
+        idle     s the GPU sat idle between its kernels
+        before   {kind: s}: that idle by the kind of the kernel each gap ended with (what the GPU waited for)
+        longest  the three longest gaps as (s, that kind, s into the update): when it waited
+
+    (the last three None on the CPU). The profiler slows the host (it traces every launch), so the wall time
+    to set these against is an unprofiled update's: the timed steps'."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -208,21 +212,23 @@ def profile_update(run, device):
         kind = kind_of(e.key)
         kinds[kind] = kinds.get(kind, 0.0) + us / 1e6
     if not cuda:
-        return kinds, None, None
+        return kinds, None, None, None
     kernels = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type.name == "CUDA"]
-    before = {}
-    for gap, name in gaps_between(kernels):
+    gaps, before = gaps_between(kernels), {}
+    for gap, name, _ in gaps:
         before[kind_of(name)] = before.get(kind_of(name), 0.0) + gap
-    return kinds, sum(before.values()), before
+    longest = [(gap, kind_of(name), at) for gap, name, at in sorted(gaps, reverse=True)[:3]]
+    return kinds, sum(before.values()), before, longest
 
 
 def gaps_between(kernels):
     """The GPU's idle stretches between kernels ((start, end, name) in µs, on any streams): (seconds, the name
-    of the kernel that ended it) for each stretch that no kernel covers."""
-    out, end = [], None
+    of the kernel that ended it, seconds from the first kernel's start to the stretch) for each stretch that no
+    kernel covers."""
+    out, end, first = [], None, min((a for a, _, _ in kernels), default=0)
     for a, b, name in sorted(kernels):
         if end is not None and a > end:
-            out.append(((a - end) / 1e6, name))
+            out.append(((a - end) / 1e6, name, (end - first) / 1e6))
         end = b if end is None else max(end, b)
     return out
 
@@ -235,7 +241,7 @@ def profile_text(mode, stats, update):
              f"{stats['decode_s']:.2f} s in {stats['steps'] - 1} steps:"]
     for rows, steps, sec in stats.get("segments", []):
         lines.append(f"      {rows:4d} rows: {steps:5d} steps, {sec:6.2f} s, {sec / max(steps, 1) * 1e3:6.2f} ms a step")
-    wall, kinds, idle, before = update
+    wall, kinds, idle, before, longest = update
     busy = sum(kinds.values())
     lines.append(f"    update: {wall:.2f} s a timed step; one more step's, under the profiler: {busy:.2f} s in kernels"
                  + (f", the GPU idle {idle:.2f} s between them" if idle is not None else "") + ":")
@@ -244,6 +250,7 @@ def profile_text(mode, stats, update):
     if before:
         lines.append("      the idle, by the kernel it ended with: " + ", ".join(
             f"{kind} {sec:.3f} s" for kind, sec in sorted(before.items(), key=lambda kv: -kv[1])))
+        lines.append("      the longest: " + ", ".join(f"{gap:.3f} s at {at:.2f} s (then {kind})" for gap, kind, at in longest))
     return "\n".join(lines)
 
 

@@ -50,17 +50,20 @@ def test_profile_says_where_the_step_went(monkeypatch):
     assert "rows:" in text and "GEMM" in text and f"update: {r['update_s']:.2f} s a timed step" in text
     stats = dict(prefill_s=0.01, capture_s=0.5, decode_s=1.0, steps=31, segments=[(16, 20, 0.6), (4, 10, 0.4)])
     kinds = {"GEMM (cuBLAS, FP8 or bf16)": 1.2, "attention": 0.3}
-    text = bench_step.profile_text("x", stats, (2.0, kinds, 0.25, {"attention": 0.05, "GEMM (cuBLAS, FP8 or bf16)": 0.2}))
+    text = bench_step.profile_text("x", stats, (2.0, kinds, 0.25, {"attention": 0.05, "GEMM (cuBLAS, FP8 or bf16)": 0.2},
+                                                [(0.15, "GEMM (cuBLAS, FP8 or bf16)", 0.01), (0.05, "attention", 0.9)]))
     assert "  16 rows:    20 steps,   0.60 s,  30.00 ms a step" in text and "80.0%" in text
     assert "update: 2.00 s a timed step; one more step's, under the profiler: 1.50 s in kernels, the GPU idle 0.25 s" in text
     assert "the idle, by the kernel it ended with: GEMM (cuBLAS, FP8 or bf16) 0.200 s, attention 0.050 s" in text
+    assert "the longest: 0.150 s at 0.01 s (then GEMM (cuBLAS, FP8 or bf16)), 0.050 s at 0.90 s (then attention)" in text
 
 
 def test_gaps_between_kernels_on_any_stream():
     """The GPU's idle stretches: overlapping kernels (two streams) cover time once, and each stretch is named
     by the kernel that ended it."""
-    kernels = [(0, 10, "a"), (5, 20, "b"), (30, 40, "d"), (25, 28, "c")]
-    assert bench_step.gaps_between(kernels) == [(pytest.approx(5e-6), "c"), (pytest.approx(2e-6), "d")]
+    kernels = [(100, 110, "a"), (105, 120, "b"), (130, 140, "d"), (125, 128, "c")]
+    assert bench_step.gaps_between(kernels) == [(pytest.approx(5e-6), "c", pytest.approx(20e-6)),
+                                                (pytest.approx(2e-6), "d", pytest.approx(28e-6))]
     assert bench_step.gaps_between([]) == []
 
 
