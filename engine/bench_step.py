@@ -216,7 +216,8 @@ def profile_update(run, device):
     kernels = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type.name == "CUDA"]
     gaps, before = gaps_between(kernels), {}
     for gap, name, _ in gaps:
-        before[kind_of(name)] = before.get(kind_of(name), 0.0) + gap
+        kind = kind_of(name)
+        before[kind] = before.get(kind, 0.0) + gap
     longest = [(gap, kind_of(name), at) for gap, name, at in sorted(gaps, reverse=True)[:3]]
     return kinds, sum(before.values()), before, longest
 
