@@ -19,6 +19,7 @@ the trained norms. Three things make that affordable at 7B and more:
 import torch
 
 from memory import micro_batch_bytes
+from model import to_device
 
 
 def shared_prompts(prompts):
@@ -47,13 +48,14 @@ def completion_logprobs(model, prompts, completions, lengths, temperature, chunk
     tokens = torch.zeros(B, T, dtype=torch.long)
     for i, s in enumerate(seqs):
         tokens[i, : len(s)] = torch.tensor(s)  # right padding, which the model never runs
-    h = model.shared_prompt_hidden(tokens.to(device), list(map(len, seqs)), shared_prompts(prompts))  # (B, T, H)
+    tokens = to_device(tokens, device)  # (queued behind the GPU's work, not waiting for it: model.to_device)
+    h = model.shared_prompt_hidden(tokens, list(map(len, seqs)), shared_prompts(prompts))  # (B, T, H)
     rows = torch.cat([torch.full((int(n),), i) for i, n in enumerate(lengths)])  # (N,)
     cols = torch.cat([torch.arange(int(n)) for n in lengths])  # (N,) completion index j
     pos = torch.tensor([len(prompts[i]) - 1 for i in rows.tolist()]) + cols  # hidden state that predicts token j
-    targets = completions[rows, cols].to(device)  # (N,)
-    rows, cols = rows.to(device), cols.to(device)
-    hs = h[rows, pos.to(device)]  # (N, H)
+    # (one copy)
+    rows, cols, pos, targets = to_device(torch.stack([rows, cols, pos, completions[rows, cols].long()]), device)
+    hs = h[rows, pos]  # (N, H)
     weight = model.lm_head.weight
     parts = [torch.utils.checkpoint.checkpoint(_chunk_logp, hs[s:s + chunk], weight, targets[s:s + chunk],
                                                temperature, use_reentrant=False)

@@ -182,6 +182,18 @@ def shared_prompt_attention(q, k, v, index, packed):
     return out.transpose(0, 1).flatten(1, 2)[:, packed][None]
 
 
+def to_device(t, device):
+    """A host tensor on `device` without the host waiting for the GPU. From pageable memory a copy first
+    waits for everything queued on the stream (CUDA stages it through a buffer of its own), so an update
+    that copied its index tensors that way between micro-batches left the GPU idle while the host built
+    the next ones; from pinned memory the copy is queued like a kernel (torch keeps the pinned buffer until
+    the copy has run). Elsewhere: t.to(device)."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class MLP(nn.Module):
     def __init__(self, cfg, dtype):
         super().__init__()
@@ -310,8 +322,8 @@ class Transformer(nn.Module):
         if B == 1:  # attention runs a lone sequence as two copies of it: torch.compile specializes a count of
             # one, so one sequence would compile the blocks anew in whatever later step first brings it
             index = index.repeat(2, 1)
-        index, positions = index.to(tokens.device), (packed % L).to(tokens.device)[None]
-        packed = packed.to(tokens.device)
+        index, packed = to_device(index, tokens.device), to_device(packed, tokens.device)
+        positions = (packed % L)[None]
         h = self.hidden(tokens.flatten()[packed][None], positions, shared=(index, packed))[0]  # (P, H)
         return h[index[:B]]
 

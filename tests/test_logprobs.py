@@ -1,6 +1,7 @@
 """logprobs.py: the trainer's completion logprobs against a plain forward of each whole sequence, and the
 micro-batches the update computes them in (whole sequences, short ones packed within the memory of the
 full-length slices)."""
+import pytest
 import torch
 
 import model as M
@@ -55,3 +56,28 @@ def test_completion_logprobs_match_a_forward_of_each_whole_sequence(hf_folder):
             torch.testing.assert_close(ent[i, :n], -(want.exp() * want).sum(-1), rtol=1e-5, atol=1e-5)
             assert not logp[i, n:].any() and not ent[i, n:].any()
 
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_completion_logprobs_queue_their_work_without_waiting_for_the_gpu(hf_folder):
+    """On a GPU, a micro-batch's forward and backward (train.update's) make no call that waits for the GPU:
+    torch's sync debug mode raises on any, such as a copy from pageable host memory, which waits for all the
+    work queued before it (model.to_device). Between micro-batches such waits left the GPU idle while the
+    host built the next one's tensors. The logprobs are the CPU's."""
+    _, folder = hf_folder("qwen2", num_hidden_layers=2)
+    gen = torch.Generator().manual_seed(5)
+    a, b = torch.randint(0, 101, (6,), generator=gen).tolist(), torch.randint(0, 101, (9,), generator=gen).tolist()
+    prompts, lengths = [a] * 3 + [b] * 2, torch.tensor([4, 7, 1, 5, 3])
+    completions = torch.randint(0, 101, (5, 7), generator=gen)
+    want, _ = completion_logprobs(M.Transformer.from_pretrained(folder, dtype=torch.float32), prompts, completions,
+                                  lengths, 0.7, chunk=4)
+    m = M.Transformer.from_pretrained(folder, dtype=torch.float32, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        logp, _ = completion_logprobs(m, prompts, completions, lengths, 0.7, chunk=4)
+        logp.sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert m.lm_head.weight.grad is not None
+    torch.testing.assert_close(logp.detach().cpu(), want.detach(), rtol=1e-5, atol=1e-5)
