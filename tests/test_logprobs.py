@@ -4,6 +4,7 @@ full-length slices)."""
 import pytest
 import torch
 
+import lora
 import model as M
 from logprobs import completion_logprobs, micro_batches
 from memory import micro_batch_bytes
@@ -57,7 +58,6 @@ def test_completion_logprobs_match_a_forward_of_each_whole_sequence(hf_folder):
             assert not logp[i, n:].any() and not ent[i, n:].any()
 
 
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_completion_logprobs_queue_their_work_without_waiting_for_the_gpu(hf_folder):
     """On a GPU, a micro-batch's forward and backward (train.update's) make no call that waits for the GPU:
@@ -72,6 +72,7 @@ def test_completion_logprobs_queue_their_work_without_waiting_for_the_gpu(hf_fol
     want, _ = completion_logprobs(M.Transformer.from_pretrained(folder, dtype=torch.float32), prompts, completions,
                                   lengths, 0.7, chunk=4)
     m = M.Transformer.from_pretrained(folder, dtype=torch.float32, device="cuda")
+    params = lora.apply_lora(m, rank=4, alpha=8)  # (the update's trained parameters; the base frozen)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -79,5 +80,5 @@ def test_completion_logprobs_queue_their_work_without_waiting_for_the_gpu(hf_fol
         logp.sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert m.lm_head.weight.grad is not None
+    assert all(p.grad is not None for p in params)
     torch.testing.assert_close(logp.detach().cpu(), want.detach(), rtol=1e-5, atol=1e-5)
