@@ -243,9 +243,9 @@ def policy_loss(logp, old_logp, advantages, mask, *, eps_low=0.2, eps_high=0.2, 
     # Counts stay tensors so that the loss needs no host sync; the metrics take one at the end.
     local_tokens = mf.sum()  # ()
     local_seqs = m.any(dim=1).sum().to(mf.dtype)  # ()
-    n_seqs = local_seqs if num_seqs is None else torch.as_tensor(float(num_seqs), dtype=mf.dtype)
-    n_tokens = local_tokens if num_tokens is None else torch.as_tensor(float(num_tokens), dtype=mf.dtype)
-    n_seqs, n_tokens = n_seqs.to(mf.device).clamp(min=1.0), n_tokens.to(mf.device).clamp(min=1.0)
+    # (the whole batch's counts are host numbers and stay so: a host tensor copied here would wait for the GPU)
+    n_seqs = local_seqs.clamp(min=1.0) if num_seqs is None else max(1.0, float(num_seqs))
+    n_tokens = local_tokens.clamp(min=1.0) if num_tokens is None else max(1.0, float(num_tokens))
 
     def aggregate(per_token):  # (B, T) -> scalar
         summed = (per_token * mf).sum(dim=1)  # (B,)
