@@ -184,10 +184,10 @@ def shared_prompt_attention(q, k, v, index, packed):
 
 def to_device(t, device):
     """A host tensor on `device` without the host waiting for the GPU. From pageable memory a copy first
-    waits for everything queued on the stream (CUDA stages it through a buffer of its own), so an update
-    that copied its index tensors that way between micro-batches left the GPU idle while the host built
-    the next ones; from pinned memory the copy is queued like a kernel (torch keeps the pinned buffer until
-    the copy has run). Elsewhere: t.to(device)."""
+    waits for everything queued on the stream (CUDA stages it through a buffer of its own): an update that
+    copies a micro-batch's index tensors that way leaves the GPU idle while the host builds them. From
+    pinned memory the copy is queued like a kernel (torch keeps the pinned buffer until the copy has run),
+    and the host builds the next micro-batch while the GPU runs this one. Elsewhere: t.to(device)."""
     device = torch.device(device)
     if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)

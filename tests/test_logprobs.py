@@ -62,8 +62,8 @@ def test_completion_logprobs_match_a_forward_of_each_whole_sequence(hf_folder):
 def test_completion_logprobs_queue_their_work_without_waiting_for_the_gpu(hf_folder):
     """On a GPU, a micro-batch's forward and backward (train.update's) make no call that waits for the GPU:
     torch's sync debug mode raises on any, such as a copy from pageable host memory, which waits for all the
-    work queued before it (model.to_device). Between micro-batches such waits left the GPU idle while the
-    host built the next one's tensors. The logprobs are the CPU's."""
+    work queued before it (model.to_device), so that between micro-batches the GPU would sit idle while the
+    host builds the next one's tensors. The logprobs are the CPU's."""
     _, folder = hf_folder("qwen2", num_hidden_layers=2)
     gen = torch.Generator().manual_seed(5)
     a, b = torch.randint(0, 101, (6,), generator=gen).tolist(), torch.randint(0, 101, (9,), generator=gen).tolist()
