@@ -44,6 +44,7 @@ from torch.utils.checkpoint import checkpoint
 import fp4_gemm
 import hub
 import nvfp4
+from engine import varlen
 # Where models come from lives in hub.py (the bottom of the import graph); these names stay importable
 # from here for the callers that know them as model's.
 from hub import (ALIASES, load_tokenizer, resolve_device, resolve_model_dir, stop_on_bad_input,  # noqa: F401
@@ -166,15 +167,18 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
-def shared_prompt_attention(q, k, v, index, packed):
+def shared_prompt_attention(q, k, v, index, packed, *segments):
     """Causal attention over a packed row (Transformer.shared_prompt_hidden): q (1, Hq, P, D), k and v
     (1, Hkv, P, D) hold the P tokens that B sequences have, each shared prompt once; index (B, L) says
     where token j of sequence b lies among them, packed (P,) where each of them lies among the B·L.
     Attention alone sees the whole sequences (gathered by index: a shared prompt's queries, keys and
     values repeated in each, padding as copies that no real query sees), with a square causal mask,
-    which the fastest kernels take. (Attending with the completions' queries alone would need a
-    lower-right mask, which those kernels do not take, and was slower: results/bench_h200.md.) Each
-    token's output is its own sequence's (a prompt's: its first sequence's). → (1, Hq, P, D)."""
+    which SDPA's fastest kernels take. Each token's output is its own sequence's (a prompt's: its first
+    sequence's). → (1, Hq, P, D). On a GPU, engine/varlen.py computes the same without the padding and
+    the repeated queries, from `segments` (its segments(): the sequences' layout for its kernel)."""
+    if segments and varlen.runs(q):
+        return varlen.attention(q, k, v, *segments, index.shape[1])
+
     def whole(t):  # (1, H, P, D) → (B, H, L, D)
         return t[0][:, index].transpose(0, 1)
 
@@ -263,8 +267,8 @@ class Transformer(nn.Module):
         return self.embed_tokens.weight.device
 
     def hidden(self, tokens, positions=None, cache=None, shared=None):
-        """tokens (B, T) → final-normed hidden states (B, T, H), before lm_head. shared = (index, packed): the
-        one row packs several sequences (shared_prompt_hidden)."""
+        """tokens (B, T) → final-normed hidden states (B, T, H), before lm_head. shared = (index, packed,
+        *segments): the one row packs several sequences (shared_prompt_hidden)."""
         B, T = tokens.shape
         if positions is None:
             start = cache.length if cache is not None else 0
@@ -277,7 +281,7 @@ class Transformer(nn.Module):
             # else torch compiles for static shapes first, then again as each count first changes (seconds
             # each, once a run: results/bench_h200.md)
             dims = [(cos, 0), (cos, 2), (sin, 0), (sin, 2)]
-            for t, d in dims + ([(shared[0], 0), (shared[0], 1), (shared[1], 0)] if shared else []):
+            for t, d in dims + ([(shared[0], 0), (shared[0], 1)] + [(t, 0) for t in shared[1:]] if shared else []):
                 torch._dynamo.maybe_mark_dynamic(t, d)
         for layer in self.layers:
             run = functools.partial(compiled, layer) if compiled else layer
@@ -322,9 +326,10 @@ class Transformer(nn.Module):
         if B == 1:  # attention runs a lone sequence as two copies of it: torch.compile specializes a count of
             # one, so one sequence would compile the blocks anew in whatever later step first brings it
             index = index.repeat(2, 1)
-        index, packed = to_device(index, tokens.device), to_device(packed, tokens.device)
-        positions = (packed % L)[None]
-        h = self.hidden(tokens.flatten()[packed][None], positions, shared=(index, packed))[0]  # (P, H)
+        shared = [to_device(t, tokens.device) for t in (index, packed, *varlen.segments(index, lengths, prefix))]
+        positions = (shared[1] % L)[None]
+        h = self.hidden(tokens.flatten()[shared[1]][None], positions, shared=tuple(shared))[0]  # (P, H)
+        index = shared[0]
         return h[index[:B]]
 
     def forward(self, tokens, positions=None, cache=None):

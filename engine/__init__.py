@@ -1,5 +1,5 @@
 """The engine room: what makes the idea files fast on a GPU, one topic a file, each tested against the
-idea-file function it speeds up (tests/engine/). fp4_gemm.py and rollout.py each reach it at one
+idea-file function it speeds up (tests/engine/). fp4_gemm.py, rollout.py and model.py each reach it at one
 dispatch point, and only on a GPU (or for a kernel a test pins, or inside fp4_gemm.fp8_tensor_cores).
 It takes from them only public names: from fp4_gemm.py the Triton pieces its kernels share (decode_plain,
 e4m3_to_f32, e2m1_to_f32, w_pairs, scale_bias, finish_tile), the tiled launches (tiled_linear, tiled_dx,
@@ -14,6 +14,7 @@ korder.py      x in the wgmma kernels' K order, and the API for callers that sto
 plan.py        which kernel serves which shape (a fixed table), dequant + cuBLAS, the launches
 side.py        a small dense product (decode's LoRA A's) riding along in the GEMM's launch
 fp8.py         the update's GEMMs on FP8 tensor cores: an option that changes the numbers (--fp8-update)
+varlen.py      the update's shared-prompt attention without padding (torch's variable-length flash attention)
 bench_gemm.py  python -m engine.bench_gemm --bench | --tune: the kernels against cuBLAS bf16
 
 decode.py          the decode engine behind rollout.generate on a GPU (one CUDA graph a step)

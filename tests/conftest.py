@@ -3,13 +3,17 @@ test compares our code against transformers on a real folder (config.json + safe
 
 Without a GPU, Triton runs kernels only in its interpreter, which it reads from TRITON_INTERPRET once,
 when triton is first imported: so it is switched on here, before any test module imports triton
-(the library modules leave that choice to their callers)."""
+(the library modules leave that choice to their callers). With a GPU, CUDA is started here, before any test:
+torch refuses a checkpointed forward during which CUDA first starts, as torch.compile may start it inside a
+CPU model's checkpointed blocks on a GPU machine."""
 import os
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+else:
+    torch.cuda.init()
 
 import pytest  # noqa: E402
 
