@@ -1,7 +1,7 @@
 """engine/varlen.py: the update's shared-prompt attention without padding, against model.shared_prompt_attention's
 padded form. On the CPU a stand-in of the flash kernel (each sequence's own queries over its keys, the causal
 mask aligned to the last key) checks the segments and their way through the model, compiled blocks and
-checkpointing included; on a GPU the kernel itself, forward and backward."""
+checkpointing included; on a GPU the kernel itself, forward and backward, alone and through a bf16 model."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -107,3 +107,34 @@ def test_the_flash_kernel_gives_the_padded_attention():
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
     for g, g0 in zip(torch.autograd.grad(got, (q, k, v), grad), torch.autograd.grad(want, (q, k, v), grad)):
         torch.testing.assert_close(g, g0, rtol=2e-2, atol=2e-2 * float(g0.abs().max()))
+
+
+@gpu_only
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_the_flash_kernel_through_the_model_gives_the_padded_attention(hf_folder, monkeypatch, backend):
+    """On a GPU, a bf16 model's shared_prompt_hidden with the flash kernel against the same with the padded
+    attention (varlen.runs switched off): hidden states and LoRA gradients agree within bf16's rounding
+    (each side rounds every layer's outputs to bf16), plain and with train.py's compiled blocks and
+    checkpointing. A sequence laid out wrongly would be off by the size of the states themselves."""
+    _, folder = hf_folder("qwen2", num_hidden_layers=2)
+    tokens, lengths, shared = layout(torch.Generator().manual_seed(6))
+    weights = torch.randn(6, 12, 64, generator=torch.Generator().manual_seed(7)).cuda()
+    real = (torch.arange(12)[None] < torch.tensor(lengths)[:, None]).cuda()
+    results, runs, attention, calls = [], varlen.runs, varlen.attention, []
+    monkeypatch.setattr(varlen, "attention", lambda *a: calls.append(1) or attention(*a))
+    for flash in (False, True):
+        monkeypatch.setattr(varlen, "runs", lambda q, flash=flash: flash and runs(q))
+        m = M.Transformer.from_pretrained(folder, dtype=torch.bfloat16, device="cuda").train()
+        torch.manual_seed(0)
+        params = lora.apply_lora(m, rank=4, alpha=8)
+        for p in params:
+            p.data.normal_(0, 0.1)
+        m.gradient_checkpointing, m.compile_blocks = backend is not None, backend
+        h = m.shared_prompt_hidden(tokens.cuda(), lengths, shared) * real[..., None]
+        (h.float() * weights).sum().backward()
+        results.append((h.detach().float(), [p.grad.float() for p in params]))
+        assert bool(calls) == flash  # (the flash kernel ran in the second pass only)
+    (h, grads), (h0, grads0) = results[1], results[0]
+    torch.testing.assert_close(h, h0, rtol=3e-2, atol=3e-2 * float(h0.abs().max()))
+    for g, g0 in zip(grads, grads0):
+        torch.testing.assert_close(g, g0, rtol=5e-2, atol=5e-2 * float(g0.abs().max()))
