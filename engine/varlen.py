@@ -10,7 +10,9 @@ padding: a sequence's queries are its own tokens (the last of its keys; a shared
 the prompt's first sequence only), and flash attention aligns the causal mask of fewer queries than keys
 to the last key, the lower-right mask they need. The result is already in the packed row's order.
 Tested against: shared_prompt_attention's padded form (tests/engine/test_varlen.py: the segments on the
-CPU through a stand-in of the kernel, the kernel itself and its backward on a GPU).
+CPU through a stand-in of the kernel; on a GPU the kernel and its backward, alone and through a bf16
+model). Measured on an H100 (the update's attention time halved, its peak memory lower):
+results/engine_floor_h100.md.
 """
 import inspect
 import itertools
