@@ -63,7 +63,8 @@ def test_the_segments_through_the_model_give_the_padded_attention(hf_folder, mon
     real = (torch.arange(12)[None] < torch.tensor(lengths)[:, None])
     results = []
     for unpadded in (False, True):
-        monkeypatch.setattr(varlen, "varlen_attn", stand_in)
+        calls = []
+        monkeypatch.setattr(varlen, "varlen_attn", lambda *a, **kw: calls.append(1) or stand_in(*a, **kw))
         monkeypatch.setattr(varlen, "runs", lambda q: unpadded)
         m = M.Transformer.from_pretrained(folder, dtype=torch.float32).train()
         torch.manual_seed(0)
@@ -74,6 +75,7 @@ def test_the_segments_through_the_model_give_the_padded_attention(hf_folder, mon
         h = m.shared_prompt_hidden(tokens, lengths, shared) * real[..., None]
         (h * weights).sum().backward()
         results.append((h.detach(), [p.grad for p in params]))
+        assert bool(calls) == unpadded
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
     for g, g0 in zip(results[1][1], results[0][1]):  # float32 sums in another order
         torch.testing.assert_close(g, g0, rtol=1e-4, atol=1e-4 * float(g0.abs().max()))
