@@ -326,11 +326,10 @@ class Transformer(nn.Module):
         if B == 1:  # attention runs a lone sequence as two copies of it: torch.compile specializes a count of
             # one, so one sequence would compile the blocks anew in whatever later step first brings it
             index = index.repeat(2, 1)
-        shared = [to_device(t, tokens.device) for t in (index, packed, *varlen.segments(index, lengths, prefix))]
-        positions = (shared[1] % L)[None]
-        h = self.hidden(tokens.flatten()[shared[1]][None], positions, shared=tuple(shared))[0]  # (P, H)
-        index = shared[0]
-        return h[index[:B]]
+        index, packed, *segments = (to_device(t, tokens.device)
+                                    for t in (index, packed, *varlen.segments(index, lengths, prefix)))
+        h = self.hidden(tokens.flatten()[packed][None], (packed % L)[None], shared=(index, packed, *segments))[0]
+        return h[index[:B]]  # (B, L, H) from (P, H)
 
     def forward(self, tokens, positions=None, cache=None):
         """tokens (B, T) → logits (B, T, V)."""

@@ -52,29 +52,36 @@ def test_segments_lay_out_each_sequence():
     assert cu_q.dtype == cu_k.dtype == torch.int32
 
 
+def hidden_and_grads(folder, backend, dtype=torch.float32, device="cpu", seed=4):
+    """layout(seed)'s sequences through a fresh LoRA model of `folder` (with a backend: checkpointed, its blocks
+    compiled with it): shared_prompt_hidden's states (zeroed past each length) and the LoRA gradients of a
+    fixed weighted sum of them, in float32."""
+    tokens, lengths, shared = layout(torch.Generator().manual_seed(seed))
+    weights = torch.randn(6, 12, 64, generator=torch.Generator().manual_seed(seed + 1)).to(device)
+    real = (torch.arange(12)[None] < torch.tensor(lengths)[:, None]).to(device)
+    m = M.Transformer.from_pretrained(folder, dtype=dtype, device=device).train()
+    torch.manual_seed(0)
+    params = lora.apply_lora(m, rank=4, alpha=8)
+    for p in params:
+        p.data.normal_(0, 0.1)
+    m.gradient_checkpointing, m.compile_blocks = backend is not None, backend
+    h = m.shared_prompt_hidden(tokens.to(device), lengths, shared) * real[..., None]
+    (h.float() * weights).sum().backward()
+    return h.detach().float(), [p.grad.float() for p in params]
+
+
 @pytest.mark.parametrize("backend", [None, "aot_eager"])
 def test_the_segments_through_the_model_give_the_padded_attention(hf_folder, monkeypatch, backend):
     """shared_prompt_hidden with its attention through varlen.attention (the kernel's stand-in) gives the
     hidden states and LoRA gradients of the padded form, GQA heads (4 query, 2 key) included; plain, and
     with train.py's compiled blocks and checkpointing (the kernel's longest a symbolic size there)."""
     _, folder = hf_folder("qwen2", num_hidden_layers=2)
-    tokens, lengths, shared = layout(torch.Generator().manual_seed(4))
-    weights = torch.randn(6, 12, 64, generator=torch.Generator().manual_seed(5))
-    real = (torch.arange(12)[None] < torch.tensor(lengths)[:, None])
     results = []
     for unpadded in (False, True):
         calls = []
         monkeypatch.setattr(varlen, "varlen_attn", lambda *a, **kw: calls.append(1) or stand_in(*a, **kw))
         monkeypatch.setattr(varlen, "runs", lambda q: unpadded)
-        m = M.Transformer.from_pretrained(folder, dtype=torch.float32).train()
-        torch.manual_seed(0)
-        params = lora.apply_lora(m, rank=4, alpha=8)
-        for p in params:
-            p.data.normal_(0, 0.1)
-        m.gradient_checkpointing, m.compile_blocks = backend is not None, backend
-        h = m.shared_prompt_hidden(tokens, lengths, shared) * real[..., None]
-        (h * weights).sum().backward()
-        results.append((h.detach(), [p.grad for p in params]))
+        results.append(hidden_and_grads(folder, backend))
         assert bool(calls) == unpadded
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
     for g, g0 in zip(results[1][1], results[0][1]):  # float32 sums in another order
@@ -119,23 +126,12 @@ def test_the_flash_kernel_through_the_model_gives_the_padded_attention(hf_folder
     (each side rounds every layer's outputs to bf16), plain and with train.py's compiled blocks and
     checkpointing. A sequence laid out wrongly would be off by the size of the states themselves."""
     _, folder = hf_folder("qwen2", num_hidden_layers=2)
-    tokens, lengths, shared = layout(torch.Generator().manual_seed(6))
-    weights = torch.randn(6, 12, 64, generator=torch.Generator().manual_seed(7)).cuda()
-    real = (torch.arange(12)[None] < torch.tensor(lengths)[:, None]).cuda()
     results, runs, attention, calls = [], varlen.runs, varlen.attention, []
     monkeypatch.setattr(varlen, "attention", lambda *a: calls.append(1) or attention(*a))
     for flash in (False, True):
         monkeypatch.setattr(varlen, "runs", lambda q, flash=flash: flash and runs(q))
         torch._dynamo.reset()  # (else the compiled blocks of the first pass, whose guards see the same code, run)
-        m = M.Transformer.from_pretrained(folder, dtype=torch.bfloat16, device="cuda").train()
-        torch.manual_seed(0)
-        params = lora.apply_lora(m, rank=4, alpha=8)
-        for p in params:
-            p.data.normal_(0, 0.1)
-        m.gradient_checkpointing, m.compile_blocks = backend is not None, backend
-        h = m.shared_prompt_hidden(tokens.cuda(), lengths, shared) * real[..., None]
-        (h.float() * weights).sum().backward()
-        results.append((h.detach().float(), [p.grad.float() for p in params]))
+        results.append(hidden_and_grads(folder, backend, torch.bfloat16, "cuda", seed=6))
         assert bool(calls) == flash  # (the flash kernel ran in the second pass only)
     (h, grads), (h0, grads0) = results[1], results[0]
     torch.testing.assert_close(h, h0, rtol=3e-2, atol=3e-2 * float(h0.abs().max()))
