@@ -67,19 +67,20 @@ def completion_logprobs(model, prompts, completions, lengths, temperature, chunk
     return logp, entropy
 
 
-def micro_batches(cfg, dtype, prompts, lengths, size, max_new_tokens):
+def micro_batches(cfg, dtype, prompts, lengths, size, max_new_tokens, unpadded=False):
     """The update's micro-batches: consecutive slices of the batch. `size` sequences a slice where every
     completion runs to max_new_tokens (--micro-batch means what it says there); where they stop early, as
     real ones do, a slice takes the next sequence while its activations (micro_batch_bytes) stay within
     the largest that a slice of `size` sequences of these prompts needs at that limit, so more sequences
     share each forward and backward in no more memory. That pays where a micro-batch is short work for the
-    GPU, whose time then goes to the gaps between kernels (measured: results/bench_h200.md)."""
-    at_limit = lambda start: micro_batch_bytes(cfg, dtype, prompts[start:start + size], [max_new_tokens] * size)
-    budget = max(map(at_limit, range(0, len(prompts), size)))
+    GPU, whose time then goes to the gaps between kernels (measured: results/bench_h200.md). unpadded:
+    the attention runs without padding (engine/varlen.py), so early stops leave no padding to count."""
+    need = lambda sl, lengths=lengths: micro_batch_bytes(cfg, dtype, prompts[sl], lengths[sl], unpadded)
+    budget = max(need(slice(s, s + size), [max_new_tokens] * len(prompts)) for s in range(0, len(prompts), size))
     slices, start = [], 0
     while start < len(prompts):
         end = start + 1
-        while end < len(prompts) and micro_batch_bytes(cfg, dtype, prompts[start:end + 1], lengths[start:end + 1]) <= budget:
+        while end < len(prompts) and need(slice(start, end + 1)) <= budget:
             end += 1
         slices.append(slice(start, end))
         start = end

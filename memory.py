@@ -177,17 +177,19 @@ def rollout_bytes(cfg, dtype, rows, prompts, prompt_len, max_new_tokens, quant="
             "prefill": (prompts * prompt_len * one_layer + largest) * dtype.itemsize + prompts * cfg.vocab_size * 4}
 
 
-def activation_bytes(cfg, tokens, dtype, attended=0):
+def activation_bytes(cfg, tokens, dtype, attended=0, gathered=0):
     """About what a forward over `tokens` tokens keeps for backward without activation checkpointing. Per
     token and layer: each RMSNorm's input and output, q and the attention output (6 hidden-size vectors),
     k and v, gate, up and their product (3 intermediate-size vectors); LoRA keeps the inputs of its A's,
-    which are among these, and the frozen base weights need none. `attended`: tokens that attention alone
-    sees on top (model.shared_prompt_attention: a shared prompt again for each further sample, the
-    padding), which hold their q, k, v and output there too. The estimate against measured peaks:
-    results/bench_h200.md."""
-    per_token = 6 * cfg.hidden_size + 2 * cfg.num_kv_heads * cfg.head_dim + 3 * cfg.intermediate_size
-    per_attended = 2 * cfg.hidden_size + 2 * cfg.num_kv_heads * cfg.head_dim
-    return (tokens * per_token + attended * per_attended) * cfg.num_layers * torch.finfo(dtype).bits // 8
+    which are among these, and the frozen base weights need none. On top, what attention alone sees
+    (model.shared_prompt_attention): `attended` tokens hold their q, k, v and output there too (the padded
+    form: a shared prompt again for each further sample, the padding); `gathered` tokens their k and v
+    only (the unpadded form, engine/varlen.py: a shared prompt's keys again for each further sample). The
+    estimate against measured peaks: results/bench_h200.md."""
+    kv = 2 * cfg.num_kv_heads * cfg.head_dim
+    per_token = 6 * cfg.hidden_size + kv + 3 * cfg.intermediate_size
+    extra = attended * (2 * cfg.hidden_size + kv) + gathered * kv
+    return (tokens * per_token + extra) * cfg.num_layers * torch.finfo(dtype).bits // 8
 
 
 def packed_tokens(prompts, lengths):
@@ -197,17 +199,21 @@ def packed_tokens(prompts, lengths):
     return seqs, sum(seqs) - sum(len(p) for i, p in enumerate(prompts) if i and p == prompts[i - 1])
 
 
-def micro_batch_bytes(cfg, dtype, prompts, lengths):
+def micro_batch_bytes(cfg, dtype, prompts, lengths, unpadded=False):
     """activation_bytes of one micro-batch (prompts as token lists, completion lengths): its packed row
-    (packed_tokens), attention seeing the padded whole sequences on top."""
+    (packed_tokens), and on top what its attention sees: the padded whole sequences, or with `unpadded`
+    (where engine/varlen.py runs: varlen.runs) each sequence's keys and values without padding."""
     seqs, packed = packed_tokens(prompts, lengths)
+    if unpadded:
+        return activation_bytes(cfg, packed, dtype, gathered=sum(seqs) - packed)
     return activation_bytes(cfg, packed, dtype, attended=len(seqs) * max(seqs) - packed)
 
 
 def update_bytes(cfg, dtype, prompts, lengths, checkpointing, logp_chunk, quant="nvfp4"):
     """One micro-batch's forward and backward in train.update (prompts as token lists, completion lengths),
     by part: the activations kept for backward, the final hidden states, the larger of a logprob chunk and
-    one block's backward, the dequantized weights."""
+    one block's backward, the dequantized weights. The attention is counted in its padded form, an upper
+    bound of the unpadded one's that a GPU runs (at full length, what the plan sizes, within 1 GB at 7B)."""
     full = micro_batch_bytes(cfg, dtype, prompts, lengths)
     seqs, packed = packed_tokens(prompts, lengths)
     completion, size = sum(int(n) for n in lengths), dtype.itemsize

@@ -176,7 +176,7 @@ def shared_prompt_attention(q, k, v, index, packed, *segments):
     which SDPA's fastest kernels take. Each token's output is its own sequence's (a prompt's: its first
     sequence's). → (1, Hq, P, D). On a GPU, engine/varlen.py computes the same without the padding and
     the repeated queries, from `segments` (its segments(): the sequences' layout for its kernel)."""
-    if segments and varlen.runs(q):
+    if segments and varlen.runs(q.device, q.dtype, q.shape[-1]):
         return varlen.attention(q, k, v, *segments, index.shape[1])
 
     def whole(t):  # (1, H, P, D) → (B, H, L, D)
@@ -265,6 +265,12 @@ class Transformer(nn.Module):
     @property
     def device(self):
         return self.embed_tokens.weight.device
+
+    @property
+    def unpadded_attention(self):
+        """Whether shared_prompt_hidden's attention runs without padding here (engine/varlen.py: on a GPU, in
+        16 bits), which the update's slicing counts (logprobs.micro_batches)."""
+        return varlen.runs(self.device, self.dtype, self.config.head_dim)
 
     def hidden(self, tokens, positions=None, cache=None, shared=None):
         """tokens (B, T) → final-normed hidden states (B, T, H), before lm_head. shared = (index, packed,

@@ -224,10 +224,10 @@ def update(cfg, model, optimizer, params, batch, world=ddp.World(), noise=None):
     if batch is not None:
         local = grpo.batch_counts(batch.mask)
         slices = micro_batches(model.config, model.dtype, batch.prompts, batch.lengths, cfg.micro_batch,
-                               cfg.max_new_tokens)
+                               cfg.max_new_tokens, model.unpadded_attention)
     num_seqs, num_tokens = ddp.counts(*local, world, device)
-    need = max([memory.micro_batch_bytes(model.config, model.dtype, batch.prompts[sl], batch.lengths[sl])
-                for sl in slices], default=0)
+    need = max([memory.micro_batch_bytes(model.config, model.dtype, batch.prompts[sl], batch.lengths[sl],
+                                         model.unpadded_attention) for sl in slices], default=0)
     model.gradient_checkpointing = memory.checkpointing_on(cfg.checkpointing, model.device, need)
     model.train()
     out, first = {}, {}  # first: each micro-batch's trainer logp in the first pass (the policy before the update)
@@ -269,7 +269,7 @@ def update(cfg, model, optimizer, params, batch, world=ddp.World(), noise=None):
         else:
             optimizer.step()
         out.update(sums, grad_norm=float(grad_norm))
-    out["checkpointing"] = int(model.gradient_checkpointing)
+    out["checkpointing"], out["micro_batches"] = int(model.gradient_checkpointing), len(slices)
     return out
 
 

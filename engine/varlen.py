@@ -32,11 +32,12 @@ _CAUSAL = dict(window_size=(-1, 0)) if "window_size" in _PARAMS else dict(is_cau
 _GQA = dict(enable_gqa=True) if "enable_gqa" in _PARAMS else {}
 
 
-def runs(q):
-    """Whether the flash kernel takes these queries: CUDA, 16-bit, heads of at most 256, and a torch that has
-    varlen_attn."""
-    return (varlen_attn is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-            and q.shape[-1] <= 256)
+def runs(device, dtype, head_dim):
+    """Whether the flash kernel takes queries of this device, dtype and head size: CUDA, 16-bit, heads of at
+    most 256, and a torch that has varlen_attn. (The update's slicing asks too: memory.micro_batch_bytes
+    counts the attention's memory in the form that runs.)"""
+    return (varlen_attn is not None and torch.device(device).type == "cuda"
+            and dtype in (torch.float16, torch.bfloat16) and head_dim <= 256)
 
 
 def segments(index, lengths, prefix):

@@ -40,7 +40,8 @@ import rollout
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TIMING = {"time_rollout", "time_update", "time_step", "rollout_tokens_per_s", "peak_memory_gb"}
+# what each process measures of its own share: its times and memory peak, and the micro-batches its share took
+PER_PROCESS = {"time_rollout", "time_update", "time_step", "rollout_tokens_per_s", "peak_memory_gb", "micro_batches"}
 # (the kernel picks that tests/test_train.py pins for bit-equal runs)
 PINNED = {"MKL_CBWR": "COMPATIBLE", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
@@ -196,7 +197,7 @@ def torchrun(argv, nproc=2):
 
 def metrics(out):
     with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in f]
+        return [{k: v for k, v in json.loads(line).items() if k not in PER_PROCESS} for line in f]
 
 
 def adapter(out):

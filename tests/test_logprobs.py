@@ -34,6 +34,28 @@ def test_micro_batches_hold_whole_sequences_and_pack_short_ones():
     assert micro_batches(cfg, bf16, shared[:3], torch.tensor([1024, 1, 1]), 1, 1024) == [slice(0, 1), slice(1, 3)]
 
 
+def test_micro_batches_count_the_attention_that_runs():
+    """Where the update's attention runs unpadded (engine/varlen.py), early stops leave no padding to count:
+    a slice of the same batch holds more sequences, each slice within the unpadded form's full-length budget,
+    the next sequence past it; at the limit the slices are --micro-batch's either way."""
+    cfg, bf16 = M.qwen25_config("7b"), torch.bfloat16
+    gen = torch.Generator().manual_seed(2)
+    prompts = [p for p in (torch.randint(0, 1000, (256,), generator=gen).tolist() for _ in range(8)) for _ in range(8)]
+    # engine.bench_step's early stop: a stop chance of 1/256 a token, at most 1024 tokens
+    lengths = (-torch.rand(64, generator=gen).log() * 256).long().clamp(1, 1024)
+    assert micro_batches(cfg, bf16, prompts, [1024] * 64, 8, 1024, unpadded=True) == [slice(s, s + 8) for s in range(0, 64, 8)]
+    padded = micro_batches(cfg, bf16, prompts, lengths, 8, 1024)
+    slices = micro_batches(cfg, bf16, prompts, lengths, 8, 1024, unpadded=True)
+    assert slices[0].stop > padded[0].stop  # (29 sequences against 24)
+    budget = micro_batch_bytes(cfg, bf16, prompts[:8], [1024] * 8, unpadded=True)
+    assert [sl.start for sl in slices] == [0] + [sl.stop for sl in slices[:-1]] and slices[-1].stop == 64
+    for sl in slices:
+        assert micro_batch_bytes(cfg, bf16, prompts[sl], lengths[sl], unpadded=True) <= budget
+        if sl.stop < 64:
+            grown = slice(sl.start, sl.stop + 1)
+            assert micro_batch_bytes(cfg, bf16, prompts[grown], lengths[grown], unpadded=True) > budget
+
+
 
 def test_completion_logprobs_match_a_forward_of_each_whole_sequence(hf_folder):
     """completion_logprobs (each prompt run once for its samples, lm_head in chunks) against a plain forward

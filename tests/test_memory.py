@@ -101,6 +101,12 @@ def test_the_update_by_hand():
     p, q = [1, 2, 3], [4, 5]
     assert memory.micro_batch_bytes(Q7, BF16, [p, p, p, q, q], [4, 6, 1, 5, 2]) == memory.activation_bytes(
         Q7, 3 + 4 + 6 + 1 + 2 + 5 + 2, BF16, attended=5 * 9 - 23)
+    # the unpadded attention (engine/varlen.py) keeps the later samples' prompt keys and values again, no padding
+    unpadded = memory.micro_batch_bytes(Q7, BF16, [p, p, p, q, q], [4, 6, 1, 5, 2], unpadded=True)
+    assert unpadded == memory.activation_bytes(Q7, 23, BF16, gathered=3 + 3 + 2) == \
+        memory.activation_bytes(Q7, 23, BF16) + 8 * 2 * 512 * 28 * 2
+    assert memory.micro_batch_bytes(Q7, BF16, [[1] * 256] * 8, [1024] * 8, unpadded=True) == \
+        packed - 7 * 256 * 2 * 3584 * 28 * 2  # at full length no padding either way: the repeated q and output less
     seqs, lengths = [[1] * 256] * 8, [1024] * 8
     off = memory.update_bytes(Q72, BF16, seqs, lengths, False, 1024)
     on = memory.update_bytes(Q72, BF16, seqs, lengths, True, 1024)

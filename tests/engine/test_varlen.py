@@ -8,8 +8,11 @@ import torch.nn.functional as F
 
 import lora
 import model as M
+import train
 from engine import varlen
 from fp4_ref import gpu_only
+from logprobs import micro_batches
+from test_train import fixed_batch, lora_model, settings
 
 
 def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, **options):
@@ -80,7 +83,7 @@ def test_the_segments_through_the_model_give_the_padded_attention(hf_folder, mon
     for unpadded in (False, True):
         calls = []
         monkeypatch.setattr(varlen, "varlen_attn", lambda *a, **kw: calls.append(1) or stand_in(*a, **kw))
-        monkeypatch.setattr(varlen, "runs", lambda q: unpadded)
+        monkeypatch.setattr(varlen, "runs", lambda *a: unpadded)
         results.append(hidden_and_grads(folder, backend))
         assert bool(calls) == unpadded
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
@@ -112,7 +115,7 @@ def test_the_flash_kernel_gives_the_padded_attention():
     grad = torch.randn(1, 28, P, 128, generator=gen).cuda().bfloat16()
     want = M.shared_prompt_attention(q, k, v, index.cuda(), packed.cuda())  # (no segments: the padded form)
     got = varlen.attention(q, k, v, *segments, L)
-    assert varlen.runs(q)
+    assert varlen.runs(q.device, q.dtype, q.shape[-1])
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
     for g, g0 in zip(torch.autograd.grad(got, (q, k, v), grad), torch.autograd.grad(want, (q, k, v), grad)):
         torch.testing.assert_close(g, g0, rtol=2e-2, atol=2e-2 * float(g0.abs().max()))
@@ -129,7 +132,7 @@ def test_the_flash_kernel_through_the_model_gives_the_padded_attention(hf_folder
     results, runs, attention, calls = [], varlen.runs, varlen.attention, []
     monkeypatch.setattr(varlen, "attention", lambda *a: calls.append(1) or attention(*a))
     for flash in (False, True):
-        monkeypatch.setattr(varlen, "runs", lambda q, flash=flash: flash and runs(q))
+        monkeypatch.setattr(varlen, "runs", lambda *a, flash=flash: flash and runs(*a))
         torch._dynamo.reset()  # (else the compiled blocks of the first pass, whose guards see the same code, run)
         results.append(hidden_and_grads(folder, backend, torch.bfloat16, "cuda", seed=6))
         assert bool(calls) == flash  # (the flash kernel ran in the second pass only)
@@ -137,3 +140,29 @@ def test_the_flash_kernel_through_the_model_gives_the_padded_attention(hf_folder
     torch.testing.assert_close(h, h0, rtol=3e-2, atol=3e-2 * float(h0.abs().max()))
     for g, g0 in zip(grads, grads0):
         torch.testing.assert_close(g, g0, rtol=5e-2, atol=5e-2 * float(g0.abs().max()))
+
+
+def test_the_update_slices_its_batch_by_the_attention_that_runs(hf_folder, monkeypatch):
+    """train.update's micro-batches are micro_batches' for the attention that runs (model.unpadded_attention):
+    with the kernel's stand-in on, the unpadded form's slices, which the update's metrics count, here fewer than
+    the padded form's; the LoRA gradients are the same either way."""
+    m, params = lora_model(hf_folder)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 101, (n,), generator=gen).tolist() for n in (5, 9)]
+    lengths = torch.tensor([1, 3, 2, 8, 4, 1, 2, 5])  # two groups of 4 samples; 8 = max_new_tokens
+    ro = type("Rollout", (), dict(tokens=torch.randint(0, 101, (8, 8), generator=gen), lengths=lengths,
+                                  logprobs=-torch.rand(8, 8, generator=gen), finish=["stop"] * 7 + ["length"]))
+    batch = fixed_batch(prompts, ro, torch.tensor([[1.0, 0, 0, 1], [0, 1, 1, 1]]))
+    rows = [prompts[0]] * 4 + [prompts[1]] * 4
+    monkeypatch.setattr(varlen, "varlen_attn", stand_in)
+    counts, grads = [], []
+    for unpadded in (False, True):
+        monkeypatch.setattr(varlen, "runs", lambda *a: unpadded)
+        out = train.update(settings("--algo", "dapo", "--micro-batch", "2", "--max-new-tokens", "8"), m,
+                           torch.optim.SGD(params, lr=0.0), params, batch)
+        counts.append(out["micro_batches"])
+        assert counts[-1] == len(micro_batches(m.config, m.dtype, rows, lengths, 2, 8, unpadded=unpadded))
+        grads.append([p.grad.clone() for p in params])
+    assert counts[1] < counts[0], counts
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
