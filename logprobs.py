@@ -75,12 +75,13 @@ def micro_batches(cfg, dtype, prompts, lengths, size, max_new_tokens, unpadded=F
     share each forward and backward in no more memory. That pays where a micro-batch is short work for the
     GPU, whose time then goes to the gaps between kernels (measured: results/bench_h200.md). unpadded:
     the attention runs without padding (engine/varlen.py), so early stops leave no padding to count."""
-    need = lambda sl, lengths=lengths: micro_batch_bytes(cfg, dtype, prompts[sl], lengths[sl], unpadded)
-    budget = max(need(slice(s, s + size), [max_new_tokens] * len(prompts)) for s in range(0, len(prompts), size))
+    need = lambda sl, lengths: micro_batch_bytes(cfg, dtype, prompts[sl], lengths[sl], unpadded)
+    at_limit = [max_new_tokens] * len(prompts)
+    budget = max(need(slice(s, s + size), at_limit) for s in range(0, len(prompts), size))
     slices, start = [], 0
     while start < len(prompts):
         end = start + 1
-        while end < len(prompts) and need(slice(start, end + 1)) <= budget:
+        while end < len(prompts) and need(slice(start, end + 1), lengths) <= budget:
             end += 1
         slices.append(slice(start, end))
         start = end

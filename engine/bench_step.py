@@ -414,9 +414,9 @@ def run_mode(a, mode, device, cfg, plan=None, copy_tb_s=None):
         row["graphs_compiled"], row["kernels_compiled"] = compiled_graphs() - graphs, compiled_kernels() - kernels
         rows.append(row)
         print(f"    {mode} step {step}{' (warm-up)' if not step else ''}: {row['step_s']:.1f} s = rollout "
-              f"{row['rollout_s']:.1f} (captures {row['capture_s']:.1f}) + update {row['update_s']:.1f} ({row['micro_batches']} micro-batches) + other "
-              f"{row['other_s']:.1f}; peak {row['peak_rollout_gb']:.1f} / {row['peak_update_gb']:.1f} GiB; "
-              f"{compiled(row['graphs_compiled'], row['kernels_compiled'])}", flush=True)
+              f"{row['rollout_s']:.1f} (captures {row['capture_s']:.1f}) + update {row['update_s']:.1f} "
+              f"({row['micro_batches']} micro-batches) + other {row['other_s']:.1f}; peak {row['peak_rollout_gb']:.1f} / "
+              f"{row['peak_update_gb']:.1f} GiB; {compiled(row['graphs_compiled'], row['kernels_compiled'])}", flush=True)
     first, timed = rows[0], rows[1:]
     counts = ("graphs_compiled", "kernels_compiled")
     res.update({k: sum(r[k] for r in timed) / len(timed) for k in timed[0] if k not in counts})

@@ -56,7 +56,6 @@ def test_micro_batches_count_the_attention_that_runs():
             assert micro_batch_bytes(cfg, bf16, prompts[grown], lengths[grown], unpadded=True) > budget
 
 
-
 def test_completion_logprobs_match_a_forward_of_each_whole_sequence(hf_folder):
     """completion_logprobs (each prompt run once for its samples, lm_head in chunks) against a plain forward
     of every prompt + completion: the same logprobs and entropies at temperature 0.7, zeros past each

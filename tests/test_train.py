@@ -225,17 +225,23 @@ def lora_model(hf_folder):
     return m, params
 
 
+def two_groups():
+    """A training batch of two prompts (5 and 9 tokens), 4 samples each, whose completions stop after 1-5
+    tokens but one at the limit of 8: (prompts, completion lengths, batch)."""
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 101, (n,), generator=gen).tolist() for n in (5, 9)]
+    lengths = torch.tensor([1, 3, 2, 8, 4, 1, 2, 5])
+    ro = type("Rollout", (), dict(tokens=torch.randint(0, 101, (8, 8), generator=gen), lengths=lengths,
+                                  logprobs=-torch.rand(8, 8, generator=gen), finish=["stop"] * 7 + ["length"]))
+    return prompts, lengths, fixed_batch(prompts, ro, torch.tensor([[1.0, 0, 0, 1], [0, 1, 1, 1]]))
+
+
 def test_the_update_in_micro_batches_gives_the_full_batch_gradient(hf_folder, monkeypatch):
     """train.update over one micro-batch and over several (--micro-batch 1, which packs short completions
     into micro-batches of one whole sequence's memory): the same LoRA gradients, and every sequence in
     exactly one micro-batch."""
     m, params = lora_model(hf_folder)
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 101, (n,), generator=gen).tolist() for n in (5, 9)]
-    lengths = torch.tensor([1, 3, 2, 8, 4, 1, 2, 5])  # two groups of 4 samples; 8 = max_new_tokens
-    ro = type("Rollout", (), dict(tokens=torch.randint(0, 101, (8, 8), generator=gen), lengths=lengths,
-                                  logprobs=-torch.rand(8, 8, generator=gen), finish=["stop"] * 7 + ["length"]))
-    batch = fixed_batch(prompts, ro, torch.tensor([[1.0, 0, 0, 1], [0, 1, 1, 1]]))
+    prompts, lengths, batch = two_groups()
     optimizer = torch.optim.SGD(params, lr=0.0)
     sizes, run = [], train.completion_logprobs
     monkeypatch.setattr(train, "completion_logprobs", lambda model, p, *a: sizes.append(len(p)) or run(model, p, *a))

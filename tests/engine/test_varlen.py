@@ -12,7 +12,7 @@ import train
 from engine import varlen
 from fp4_ref import gpu_only
 from logprobs import micro_batches
-from test_train import fixed_batch, lora_model, settings
+from test_train import lora_model, settings, two_groups
 
 
 def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, **options):
@@ -147,12 +147,7 @@ def test_the_update_slices_its_batch_by_the_attention_that_runs(hf_folder, monke
     with the kernel's stand-in on, the unpadded form's slices, which the update's metrics count, here fewer than
     the padded form's; the LoRA gradients are the same either way."""
     m, params = lora_model(hf_folder)
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 101, (n,), generator=gen).tolist() for n in (5, 9)]
-    lengths = torch.tensor([1, 3, 2, 8, 4, 1, 2, 5])  # two groups of 4 samples; 8 = max_new_tokens
-    ro = type("Rollout", (), dict(tokens=torch.randint(0, 101, (8, 8), generator=gen), lengths=lengths,
-                                  logprobs=-torch.rand(8, 8, generator=gen), finish=["stop"] * 7 + ["length"]))
-    batch = fixed_batch(prompts, ro, torch.tensor([[1.0, 0, 0, 1], [0, 1, 1, 1]]))
+    prompts, lengths, batch = two_groups()
     rows = [prompts[0]] * 4 + [prompts[1]] * 4
     monkeypatch.setattr(varlen, "varlen_attn", stand_in)
     counts, grads = [], []
