@@ -167,6 +167,22 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
+def packed_row(lengths, prefix, L):
+    """The packed row of B sequences (Transformer.shared_prompt_hidden), of these lengths, each sharing its
+    first prefix[b] tokens with the sequence before, laid out in a (B, L) batch: index (B, L), where token j
+    of sequence b lies in the row (a shared token where the sequence before has it; past the length, copies
+    of the last token, after every real query), and packed (P,), each row token's flat position b·L + j."""
+    index = torch.zeros(len(lengths), L, dtype=torch.long)
+    packed, P = [], 0
+    for b, (n, s) in enumerate(zip(lengths, prefix)):
+        index[b, :s] = index[b - 1, :s]
+        index[b, s:n] = torch.arange(P, P + n - s)
+        index[b, n:] = index[b, n - 1]
+        packed.append(torch.arange(b * L + s, b * L + n))
+        P += n - s
+    return index, torch.cat(packed)
+
+
 def shared_prompt_attention(q, k, v, index, packed, *segments):
     """Causal attention over a packed row (Transformer.shared_prompt_hidden): q (1, Hq, P, D), k and v
     (1, Hkv, P, D) hold the P tokens that B sequences have, each shared prompt once; index (B, L) says
@@ -320,15 +336,7 @@ class Transformer(nn.Module):
             raise ValueError(f"shared_prompt_hidden: every sequence needs 1 to {L} tokens (the width of tokens), "
                              f"prefix[0] must be 0 and prefix[b] at most the lengths of sequences b and b - 1; "
                              f"got lengths {lengths}, prefix {prefix}")
-        index = torch.zeros(B, L, dtype=torch.long)  # where token j of sequence b lies in the packed row
-        packed, P = [], 0  # the packed tokens' flat positions b·L + j in tokens
-        for b, (n, s) in enumerate(zip(lengths, prefix)):
-            index[b, :s] = index[b - 1, :s]
-            index[b, s:n] = torch.arange(P, P + n - s)
-            index[b, n:] = index[b, n - 1]  # padding: copies of the last token, after every real query
-            packed.append(torch.arange(b * L + s, b * L + n))
-            P += n - s
-        packed = torch.cat(packed)
+        index, packed = packed_row(lengths, prefix, L)
         if B == 1:  # attention runs a lone sequence as two copies of it: torch.compile specializes a count of
             # one, so one sequence would compile the blocks anew in whatever later step first brings it
             index = index.repeat(2, 1)

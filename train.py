@@ -219,15 +219,15 @@ def update(cfg, model, optimizer, params, batch, world=ddp.World(), noise=None):
     losses add up to the whole batch's (grpo.policy_loss with the global batch's counts as divisors). Under
     several ranks the gradients are summed before the clip: one process's update over the global batch
     (ddp.py). noise: (sigma, seed) to apply AQN in the update too (--aqn-update), else None. → metrics."""
-    device = model.device
+    device, unpadded = model.device, model.unpadded_attention
     slices, local = [], (0, 0)
     if batch is not None:
         local = grpo.batch_counts(batch.mask)
         slices = micro_batches(model.config, model.dtype, batch.prompts, batch.lengths, cfg.micro_batch,
-                               cfg.max_new_tokens, model.unpadded_attention)
+                               cfg.max_new_tokens, unpadded)
     num_seqs, num_tokens = ddp.counts(*local, world, device)
-    need = max([memory.micro_batch_bytes(model.config, model.dtype, batch.prompts[sl], batch.lengths[sl],
-                                         model.unpadded_attention) for sl in slices], default=0)
+    need = max([memory.micro_batch_bytes(model.config, model.dtype, batch.prompts[sl], batch.lengths[sl], unpadded)
+                for sl in slices], default=0)
     model.gradient_checkpointing = memory.checkpointing_on(cfg.checkpointing, model.device, need)
     model.train()
     out, first = {}, {}  # first: each micro-batch's trainer logp in the first pass (the policy before the update)

@@ -102,14 +102,8 @@ def test_the_flash_kernel_gives_the_padded_attention():
     lengths = [p + c for p, c in zip(prompts, completions)]
     shared = [0, 200, 200, 200, 0, 57, 57, 57]
     L = max(lengths)
-    index = torch.zeros(8, L, dtype=torch.long)
-    P = 0
-    for b, (n, s) in enumerate(zip(lengths, shared)):  # as shared_prompt_hidden lays them out
-        index[b, :s] = index[b - 1, :s]
-        index[b, s:n] = torch.arange(P, P + n - s)
-        index[b, n:] = index[b, n - 1]
-        P += n - s
-    packed = torch.cat([b * L + torch.arange(s, n) for b, (n, s) in enumerate(zip(lengths, shared))])
+    index, packed = M.packed_row(lengths, shared, L)  # as shared_prompt_hidden lays them out
+    P = len(packed)
     segments = [t.cuda() for t in varlen.segments(index, lengths, shared)]
     q, k, v = (torch.randn(1, h, P, 128, generator=gen).cuda().bfloat16().requires_grad_() for h in (28, 4, 4))
     grad = torch.randn(1, 28, P, 128, generator=gen).cuda().bfloat16()
