@@ -20,5 +20,6 @@ bench_gemm.py  python -m engine.bench_gemm --bench | --tune: the kernels against
 decode.py          the decode engine behind rollout.generate on a GPU (one CUDA graph a step)
 decode_kernels.py  its fused Triton kernels: the small ops between a decode step's GEMMs
 bench_rollout.py   the decode engine's tokens/s, NVFP4 + LoRA against bf16 + LoRA
+bench_knockout.py  what each kind of small kernel costs the graphed decode step (the step without it)
 bench_step.py      full RL steps on one GPU, 16-bit LoRA against NVFP4 LoRA
 """
