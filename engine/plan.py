@@ -196,6 +196,13 @@ def _ws_maxnreg(nwg):
     return {1: 128, 2: 168, 3: 128}[nwg]
 
 
+def _ws_consumer_regs(nwg):
+    """Registers a thread of each consumer warpgroup once the partitions trade them (setmaxnreg): the producer
+    warp keeps 24 of its warpgroup's share, the consumers share the rest of (nwg + 1) · _ws_maxnreg evenly, in
+    steps of 8."""
+    return ((nwg + 1) * _ws_maxnreg(nwg) - 24) // nwg // 8 * 8
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device):  # (asked by plan_forward on every call of a layer: cached)
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -392,15 +399,14 @@ def _wgmma_linear(x2, packed, scale_u8, gs, bias, plan, x_k_ordered=False):
     else:
         grid = (m_tiles, tiles_n, split)
     x_desc, w_desc, s_desc = wgmma_kernels.ws_descriptors(xp, packed.view(torch.int32), scale_u8, bt)
-    # Registers: `regs` a thread for every warpgroup of the program (the producer's counts as one); the
-    # partitions then trade them (setmaxnreg): the producer keeps 24, the consumers share the rest evenly.
-    regs = _ws_maxnreg(nwg)
+    # Registers: _ws_maxnreg a thread for every warpgroup of the program (the producer's counts as one); the
+    # partitions then trade them (setmaxnreg, _ws_consumer_regs).
     locks = _locks(x2.device, 0 if part is y else tiles_n * nwg * m_tiles)
     wgmma_kernels._wgmma_ws_kernel[grid](x_desc, w_desc, s_desc, gs, bias, y, part, locks, M, N, steps, y.stride(0), split_steps,
                            tiles_n, whole, m_tiles, plan.get("GROUP_M", m_tiles), stream_from, sk_per, BT=bt,
                            STAGES=plan["STAGES"], NWG=nwg, WHOLE=some_whole, PERSIST=persist,
                            STREAM=stream_from < m_tiles * tiles_n,
-                           CONSUMER_REGS=((nwg + 1) * regs - 24) // nwg // 8 * 8, maxnreg=regs, **flags)
+                           CONSUMER_REGS=_ws_consumer_regs(nwg), maxnreg=_ws_maxnreg(nwg), **flags)
     return y
 
 

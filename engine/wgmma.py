@@ -8,7 +8,8 @@ feeds a ring of shared-memory stages by TMA (warp-specialized), one program an S
 (persistent), and the last waves' k-steps are shared out evenly (stream-K). The launches and the
 choice among them are in engine/plan.py.
 Tested against: fp4_gemm's torch reference in float64 on a Hopper GPU; on CPU (Gluon has no
-interpreter) its PTX runs on engine/ptx.py's emulator and its K order is checked (tests/engine/test_wgmma.py).
+interpreter) its PTX runs on engine/ptx.py's emulator, its K order is checked, and both kernels are compiled
+for sm_90a by Triton's compiler at the plan's shapes (tests/engine/test_wgmma.py).
 Measurements: results/fp4_gemm_h200.md.
 """
 import triton

@@ -1,20 +1,32 @@
 """engine/wgmma.py: the Gluon wgmma kernels (plain, warp-specialized, persistent, stream-K) against
 fp4_gemm's float64 reference on a Hopper GPU; on the CPU (Gluon has no interpreter) their PTX decode on
-engine/ptx.py's emulator, and the K order x must follow.
+engine/ptx.py's emulator, the K order x must follow, and each kernel compiled for sm_90a by Triton's own
+compiler without a GPU (it lowers, and its PTX holds the instructions the design relies on).
 """
 import numpy as np
 import pytest
 import torch
+import triton
 
 from engine import korder, ptx
 from engine import plan as engine_plan
 from engine import wgmma
+from engine.plan import _ws_consumer_regs, _ws_maxnreg
 from engine.ptx import _halves, _pack, run_ptx_warp
 from fp4_ref import DEV, E2M1_SIGNED, assert_replays_in_a_graph, make_q, ref_weight, rel_err
 
 hopper_gluon = pytest.mark.skipif(
     not (wgmma.HAS_GLUON and DEV.type == "cuda" and torch.cuda.get_device_capability() == (9, 0)),
     reason="needs triton with Gluon and a Hopper GPU (sm_90)")
+
+try:  # Triton's compiler driven by hand, for a GPU this machine need not have
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type  # (an argument's type, as a launch would specialize it)
+except ImportError:
+    GluonASTSource = None
+offline_gluon = pytest.mark.skipif(not wgmma.HAS_GLUON or GluonASTSource is None,
+                                   reason="needs triton with Gluon and its compiler's source API")
 
 
 @hopper_gluon
@@ -173,3 +185,68 @@ def test_wgmma_decode_and_k_order_emulated(f16):
     assert sorted(order) == list(range(K))
     np.testing.assert_allclose(a_mat @ x[:, order].T * 256, w @ x.T, rtol=1e-12, atol=1e-12)
 
+
+
+def compile_for_hopper(kernel, types, constexprs, **options):
+    """`kernel` compiled for sm_90a on this machine (Triton's compiler and the ptxas it ships; no GPU needed).
+    types: {argument: Triton type} for the runtime arguments, constexprs: {argument: value}; pointers and
+    strides are taken 16-byte aligned, as engine/plan.py's launches on aligned tensors specialize them.
+    Returns the compiled kernel (its asm["ptx"], asm["cubin"])."""
+    names = kernel.arg_names
+    signature = {n: types.get(n, "constexpr") for n in names}
+    aligned = [i for i, n in enumerate(names) if signature[n].startswith("*") or n.startswith("stride")]
+    source = GluonASTSource(kernel, signature, constexprs, attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, **options))
+
+
+def assert_wgmma_ptx(k, bt, f16, split):
+    """What every wgmma kernel's PTX must hold: the m64 x bt x k16 MMA on 16-bit operands with fp32 sums, the
+    wait for the kernel before (programmatic dependent launch), the split-K ticket where K is split; and
+    ptxas made a cubin of it."""
+    ty = "f16" if f16 else "bf16"
+    ptx_text = k.asm["ptx"]
+    assert f"wgmma.mma_async.sync.aligned.m64n{bt}k16.f32.{ty}.{ty}" in ptx_text
+    assert "griddepcontrol.wait" in ptx_text and len(k.asm["cubin"]) > 0
+    assert ("atom.global" in ptx_text) == (split > 1)
+
+
+@offline_gluon
+@pytest.mark.parametrize("bt,bk,split,f16", [(16, 256, 8, False), (32, 256, 3, True), (64, 128, 4, False),
+                                             (128, 128, 1, False)])
+def test_plain_kernel_compiles_for_hopper(bt, bk, split, f16):
+    """_wgmma_kernel at the plan's tiles of x (16 to 128 rows), k-steps of 128 and 256, split or not, bf16 or
+    f16, compiled for sm_90a without a GPU: Gluon has no interpreter, so this is the CPU's check that the
+    kernel lowers (its layouts convert as they assert, its shapes agree) with the Triton installed. Its
+    PTX: the MMA of the tile's width, x copied to shared memory asynchronously (cp.async), and no TMA."""
+    x = "*fp16" if f16 else "*bf16"
+    types = dict(x_ptr=x, wp_ptr="*u8", ws_ptr="*u8", gs_ptr="*fp32", bias_ptr=x, y_ptr=x, part_ptr="*fp32",
+                 lock_ptr="*i32", **{n: "i32" for n in ("M", "N", "n_steps", "stride_xm", "stride_ym", "stride_wn",
+                                                       "stride_sn", "split_steps")})
+    k = compile_for_hopper(wgmma._wgmma_kernel, types, dict(BT=bt, BK=bk, SPLIT_K=split, GS_PER_ROW=True,
+                                                            HAS_BIAS=True, F16=f16, PDL=True))
+    assert_wgmma_ptx(k, bt, f16, split)
+    assert "cp.async.cg.shared.global" in k.asm["ptx"] and "cp.async.bulk.tensor" not in k.asm["ptx"]
+
+
+@offline_gluon
+@pytest.mark.parametrize("bt,stages,nwg,split,whole,persist,stream", [
+    (8, 4, 1, 4, False, False, False), (16, 2, 2, 2, True, False, False), (32, 2, 3, 2, True, False, False),
+    (64, 2, 1, 3, False, False, False), (128, 2, 3, 1, False, True, True), (128, 2, 2, 1, False, True, False)])
+def test_warp_specialized_kernel_compiles_for_hopper(bt, stages, nwg, split, whole, persist, stream):
+    """_wgmma_ws_kernel in the plan's shapes (one to three consumer warpgroups, rings of 2 and 4, split,
+    WHOLE, persistent, stream-K), compiled for sm_90a without a GPU with the launch's registers
+    (_ws_maxnreg, _ws_consumer_regs): the producer's TMA copies and the ring's barriers are in its PTX, and
+    the partitions trade registers (setmaxnreg)."""
+    x = torch.zeros(max(bt, 64), 512, dtype=torch.bfloat16)  # descriptors: only their types are compiled in
+    words, scale = torch.zeros(192, 64, dtype=torch.int32), torch.zeros(192, 32, dtype=torch.uint8)
+    descs = dict(zip(("x_desc", "w_desc", "s_desc"), map(mangle_type, wgmma.ws_descriptors(x, words, scale, bt))))
+    types = dict(descs, gs_ptr="*fp32", bias_ptr="*bf16", y_ptr="*bf16", part_ptr="*fp32", lock_ptr="*i32",
+                 **{n: "i32" for n in ("M", "N", "n_steps", "stride_ym", "split_steps", "tiles_n", "whole", "m_tiles",
+                                       "group_m", "stream_from", "sk_per")})
+    k = compile_for_hopper(wgmma._wgmma_ws_kernel, types,
+                           dict(BT=bt, STAGES=stages, NWG=nwg, SPLIT_K=split, WHOLE=whole, PERSIST=persist,
+                                STREAM=stream, GS_PER_ROW=True, HAS_BIAS=False, F16=False, PDL=True,
+                                CONSUMER_REGS=_ws_consumer_regs(nwg)), maxnreg=_ws_maxnreg(nwg))
+    assert_wgmma_ptx(k, bt, False, split if not stream else 2)
+    for instruction in ("cp.async.bulk.tensor", "mbarrier.try_wait", "setmaxnreg"):
+        assert instruction in k.asm["ptx"], instruction
