@@ -186,7 +186,6 @@ def test_wgmma_decode_and_k_order_emulated(f16):
     np.testing.assert_allclose(a_mat @ x[:, order].T * 256, w @ x.T, rtol=1e-12, atol=1e-12)
 
 
-
 def compile_for_hopper(kernel, types, constexprs, **options):
     """`kernel` compiled for sm_90a on this machine (Triton's compiler and the ptxas it ships; no GPU needed).
     types: {argument: Triton type} for the runtime arguments, constexprs: {argument: value}; pointers and
@@ -199,15 +198,15 @@ def compile_for_hopper(kernel, types, constexprs, **options):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, **options))
 
 
-def assert_wgmma_ptx(k, bt, f16, split):
+def assert_wgmma_ptx(compiled, bt, f16, tickets):
     """What every wgmma kernel's PTX must hold: the m64 x bt x k16 MMA on 16-bit operands with fp32 sums, the
-    wait for the kernel before (programmatic dependent launch), the split-K ticket where K is split; and
-    ptxas made a cubin of it."""
+    wait for the kernel before (programmatic dependent launch), and the ticket of the split-K sum where a
+    tile's k-steps are shared (`tickets`: split K, or stream-K); and ptxas made a cubin of it."""
     ty = "f16" if f16 else "bf16"
-    ptx_text = k.asm["ptx"]
+    ptx_text = compiled.asm["ptx"]
     assert f"wgmma.mma_async.sync.aligned.m64n{bt}k16.f32.{ty}.{ty}" in ptx_text
-    assert "griddepcontrol.wait" in ptx_text and len(k.asm["cubin"]) > 0
-    assert ("atom.global" in ptx_text) == (split > 1)
+    assert "griddepcontrol.wait" in ptx_text and len(compiled.asm["cubin"]) > 0
+    assert ("atom.global" in ptx_text) == tickets
 
 
 @offline_gluon
@@ -224,7 +223,7 @@ def test_plain_kernel_compiles_for_hopper(bt, bk, split, f16):
                                                        "stride_sn", "split_steps")})
     k = compile_for_hopper(wgmma._wgmma_kernel, types, dict(BT=bt, BK=bk, SPLIT_K=split, GS_PER_ROW=True,
                                                             HAS_BIAS=True, F16=f16, PDL=True))
-    assert_wgmma_ptx(k, bt, f16, split)
+    assert_wgmma_ptx(k, bt, f16, split > 1)
     assert "cp.async.cg.shared.global" in k.asm["ptx"] and "cp.async.bulk.tensor" not in k.asm["ptx"]
 
 
@@ -247,6 +246,6 @@ def test_warp_specialized_kernel_compiles_for_hopper(bt, stages, nwg, split, who
                            dict(BT=bt, STAGES=stages, NWG=nwg, SPLIT_K=split, WHOLE=whole, PERSIST=persist,
                                 STREAM=stream, GS_PER_ROW=True, HAS_BIAS=False, F16=False, PDL=True,
                                 CONSUMER_REGS=_ws_consumer_regs(nwg)), maxnreg=_ws_maxnreg(nwg))
-    assert_wgmma_ptx(k, bt, False, split if not stream else 2)
+    assert_wgmma_ptx(k, bt, False, split > 1 or stream)
     for instruction in ("cp.async.bulk.tensor", "mbarrier.try_wait", "setmaxnreg"):
         assert instruction in k.asm["ptx"], instruction
