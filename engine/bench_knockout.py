@@ -106,11 +106,12 @@ def measure(model, batches, rounds=2, new_tokens=192, prompt_len=256, kinds=KIND
     """ms a decode step of `model` at each of `batches` rows (engine.bench_rollout._bench_one: forced length),
     for every variant, in turns; `samples` rows share each prompt, as an RL rollout's group does (fewer where
     a batch has fewer rows). → rows [{variant, round, batch (rows), prompts, ms_step}]."""
-    out, names = [], list(variants(kinds))
+    out, taken = [], variants(kinds)
+    names = list(taken)
     for rnd in range(rounds):
         for name in names if rnd % 2 == 0 else names[::-1]:
             release(model)  # (graphs captured for another variant read its zeros)
-            with taken_out(variants(kinds)[name]):
+            with taken_out(taken[name]):
                 for b in batches:
                     n = min(samples, b)
                     r = _bench_one(model, b // n, prompt_len, new_tokens, seed=b, n=n, **kw)
