@@ -1,0 +1,132 @@
+"""Throwaway, written and not yet run on a GPU (results/engine_floor_h100.md, the end of the last section): where
+the graphed decode step's time goes, kernel by kernel, from a CUPTI trace of its graph replays (torch.profiler):
+per kernel name, launches a step, mean duration, and its increment on the main stream (its end minus the end of
+the kernel before it there: these add up to the step), the side stream's kernels, and the time no kernel runs.
+7B shape, NVFP4 + LoRA r32, AQN, prompt 256, forced length; 8 rows a prompt from 8. TL_SELFTEST=1 runs the
+analysis on made-up kernels (on the CPU). If the trace holds no kernels, CUPTI did not report the graph's nodes.
+
+    TL_SELFTEST=1 PYTHONPATH=. python results/engine_floor_raw/graph_timeline.py
+    PYTHONPATH=. python results/engine_floor_raw/graph_timeline.py --batches 1 8 32 64 --json tl.json
+"""
+import argparse, collections, json, os, tempfile
+import torch, triton
+import aqn
+from engine import decode
+from engine.bench_rollout import _add_lora, random_model
+from model import qwen25_config
+from rollout import release
+
+p = argparse.ArgumentParser()
+p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+p.add_argument("--new-tokens", type=int, default=48)
+p.add_argument("--quant", default="nvfp4")
+p.add_argument("--json", default=None)
+a = p.parse_args()
+def short(name):
+    for key in ("_wgmma_ws_kernel", "_wgmma_kernel", "_mma_kernel", "_side", "_k_ordered", "_attn_partial_kernel",
+                "_attn_combine_kernel", "_rope_write_kernel", "_silu_mul_kernel", "_lora_b_kernel",
+                "_add_rmsnorm_kernel", "_sample_partial_kernel", "_sample_final_kernel", "splitKreduce"):
+        if key in name:
+            return key
+    if "gemm" in name.lower() or "xmma" in name or "cutlass" in name:
+        return "cuBLAS gemm"
+    return name[:60]
+
+
+def analyze(ev, label):
+    streams = collections.Counter(e["args"].get("stream") for e in ev)
+    if not streams:
+        print(f"{label}: no kernels traced", flush=True)
+        return None
+    main = streams.most_common(1)[0][0]
+    ev.sort(key=lambda e: e["ts"] + e["dur"])
+    ends = [e["ts"] + e["dur"] for e in ev if short(e["name"]) == "_sample_final_kernel"]
+    print(f"{label}: {len(ev)} kernels traced, streams {dict(streams)}, {len(ends)} sampler ends", flush=True)
+    if len(ends) < 12:
+        return None
+    lo, hi = ends[len(ends) // 3], ends[-4]  # steps in the middle: (lo, hi]
+    steps = sum(1 for t in ends if lo < t <= hi)
+    mains = [e for e in ev if e["args"].get("stream") == main]
+    agg = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0])  # launches, duration, increment, side duration
+    prev = None
+    for e in mains:
+        end = e["ts"] + e["dur"]
+        if lo < end <= hi and prev is not None:
+            r = agg[short(e["name"])]
+            r[0] += 1
+            r[1] += e["dur"]
+            r[2] += end - prev
+        prev = end
+    for e in ev:
+        end = e["ts"] + e["dur"]
+        if e["args"].get("stream") != main and lo < end <= hi:
+            r = agg["side: " + short(e["name"])]
+            r[0] += 1
+            r[3] += e["dur"]
+    spans = sorted((max(e["ts"], lo), min(e["ts"] + e["dur"], hi)) for e in ev if e["ts"] + e["dur"] > lo and e["ts"] < hi)
+    busy, cur_s, cur_e = 0.0, None, None
+    for s_, t in spans:
+        if cur_e is None or s_ > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = s_, t
+        else:
+            cur_e = max(cur_e, t)
+    if cur_e is not None:
+        busy += cur_e - cur_s
+    step_us = (hi - lo) / steps
+    idle = ((hi - lo) - busy) / steps
+    print(f"  step {step_us:.1f} us over {steps} steps; GPU idle {idle:.1f} us a step")
+    print("  | kernel | launches a step | mean us | us a step | increment on the main stream, us a step |")
+    rows = []
+    for k, (c, d, inc, sd) in sorted(agg.items(), key=lambda kv: -(kv[1][2] or kv[1][3])):
+        rows.append(dict(kernel=k, per_step=c / steps, mean_us=(d or sd) / c, us_step=(d or sd) / steps,
+                         inc_us_step=inc / steps))
+        print(f"  | {k} | {c / steps:.1f} | {(d or sd) / c:.2f} | {(d or sd) / steps:.1f} | {inc / steps:.1f} |")
+    return dict(step_us=step_us, idle_us=idle, steps=steps, rows=rows)
+
+
+out = {}
+if os.environ.get("TL_SELFTEST"):  # the analysis on made-up kernels: 20 steps of 3 main kernels and one beside
+    ev, t = [], 0.0
+    for i in range(20):
+        ev.append(dict(name="_wgmma_kernel", ts=t, dur=10.0, args=dict(stream=7)))
+        ev.append(dict(name="sm90_gemm", ts=t + 1, dur=4.0, args=dict(stream=9)))
+        ev.append(dict(name="_attn_partial_kernel", ts=t + 8, dur=5.0, args=dict(stream=7)))  # overlaps (PDL)
+        ev.append(dict(name="_sample_final_kernel", ts=t + 15, dur=3.0, args=dict(stream=7)))  # 2 us idle before, 2 after
+        t += 20.0
+    r = analyze(ev, "selftest")
+    assert abs(r["step_us"] - 20) < 1e-9 and abs(r["idle_us"] - 4) < 1e-9, r
+    inc = {x["kernel"]: x["inc_us_step"] for x in r["rows"]}
+    assert inc == {"_wgmma_kernel": 12.0, "_attn_partial_kernel": 3.0, "_sample_final_kernel": 5.0, "side: cuBLAS gemm": 0.0}, inc
+    raise SystemExit("selftest passed")
+dev = torch.device("cuda")
+model = random_model(qwen25_config("7b"), a.quant, dev, seed=0)
+_add_lora(model, 32)
+V = model.config.vocab_size
+print(f"# {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}; 7b {a.quant} + LoRA r32, "
+      f"AQN 1e-2; prompt 256, {a.new_tokens} new tokens forced; 8 rows a prompt from 8 rows", flush=True)
+with aqn.noise(model, 1e-2, torch.Generator(dev).manual_seed(0)):
+    for b in a.batches:
+        release(model)
+        n = 8 if b >= 8 else 1
+        prompts = torch.randint(0, V, (b // n, 256), generator=torch.Generator().manual_seed(b)).tolist()
+        kw = dict(n=n, max_new_tokens=a.new_tokens, stop_ids=(), seed=5)
+        decode.generate(model, prompts, **kw)  # compile + capture
+        st = decode.generate(model, prompts, **kw).stats
+        plain_us = 1e6 * st["decode_s"] / max(1, st["steps"] - 1)
+        print(f"{b} rows: {plain_us:.1f} us a step untraced", flush=True)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            decode.generate(model, prompts, **kw)
+            torch.cuda.synchronize()
+        path = os.path.join(tempfile.gettempdir(), f"tl_{b}.json")
+        prof.export_chrome_trace(path)
+        ev = [e for e in json.load(open(path))["traceEvents"] if e.get("cat") == "kernel"]
+        res = analyze(ev, f"{b} rows")
+        if res is None:
+            continue
+        out[b] = dict(res, plain_us=plain_us)
+if a.json:
+    json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                   args=vars(a), batches=out), open(a.json, "w"), indent=1)
