@@ -108,7 +108,9 @@ def _attn_per_sm(stages, D, itemsize):
     blocks of 64 columns of K and of V in shared memory, plus ~6 KB of its own (read off the compiled
     kernel: results/rollout_h200.md), and the GPU reserves 1 KB for every block; 8 KB a program covers
     both with some margin. itemsize: the bytes a cached value takes (2, or 1 for the FP8 cache). An SM has
-    228 KB: at D = 128 in bf16, 5, 3 or 2 programs; in E4M3, 9, 5 or 4."""
+    228 KB: at D = 128 in bf16, 5, 3 or 2 programs; in E4M3, 9, 5 or 4. Registers are not counted: they
+    allow 5 programs without a shared prompt but 2 with one (the larger tile over it), and capping them so
+    that 4 fit made no step faster (results/engine_floor_h100.md)."""
     return 228 * 1024 // ((stages - 1) * 2 * 64 * D * itemsize + 8 * 1024)
 
 
