@@ -22,6 +22,8 @@ p.add_argument("--new-tokens", type=int, default=48)
 p.add_argument("--quant", default="nvfp4")
 p.add_argument("--json", default=None)
 a = p.parse_args()
+
+
 def short(name):
     for key in ("_wgmma_ws_kernel", "_wgmma_kernel", "_mma_kernel", "_side", "_k_ordered", "_attn_partial_kernel",
                 "_attn_combine_kernel", "_rope_write_kernel", "_silu_mul_kernel", "_lora_b_kernel",
