@@ -1,7 +1,8 @@
 """Throwaway, written and not yet run on a GPU (results/engine_floor_h100.md, the end of the last section): where
 the graphed decode step's time goes, kernel by kernel, from a CUPTI trace of its graph replays (torch.profiler):
-per kernel name, launches a step, mean duration, and its increment on the main stream (its end minus the end of
-the kernel before it there: these add up to the step), the side stream's kernels, and the time no kernel runs.
+per kernel group (engine.bench_rollout.kernel_group, the eager profile's groups), launches a step, mean duration,
+and its increment on the main stream (its end minus the end of the kernel before it there: these add up to the
+step), the side stream's kernels, and the time no kernel runs (engine.bench_step.gaps_between).
 7B shape, NVFP4 + LoRA r32, AQN, prompt 256, forced length; 8 rows a prompt from 8. TL_SELFTEST=1 runs the
 analysis on made-up kernels (on the CPU). If the trace holds no kernels, CUPTI did not report the graph's nodes.
 
@@ -12,7 +13,8 @@ import argparse, collections, json, os, tempfile
 import torch, triton
 import aqn
 from engine import decode
-from engine.bench_rollout import _add_lora, random_model
+from engine.bench_rollout import ATTENTION, CUBLAS, FP4_GEMM, _add_lora, kernel_group, random_model
+from engine.bench_step import gaps_between
 from model import qwen25_config
 from rollout import release
 
@@ -24,17 +26,6 @@ p.add_argument("--json", default=None)
 a = p.parse_args()
 
 
-def short(name):
-    for key in ("_wgmma_ws_kernel", "_wgmma_kernel", "_mma_kernel", "_side", "_k_ordered", "_attn_partial_kernel",
-                "_attn_combine_kernel", "_rope_write_kernel", "_silu_mul_kernel", "_lora_b_kernel",
-                "_add_rmsnorm_kernel", "_sample_partial_kernel", "_sample_final_kernel", "splitKreduce"):
-        if key in name:
-            return key
-    if "gemm" in name.lower() or "xmma" in name or "cutlass" in name:
-        return "cuBLAS gemm"
-    return name[:60]
-
-
 def analyze(ev, label):
     streams = collections.Counter(e["args"].get("stream") for e in ev)
     if not streams:
@@ -42,7 +33,7 @@ def analyze(ev, label):
         return None
     main = streams.most_common(1)[0][0]
     ev.sort(key=lambda e: e["ts"] + e["dur"])
-    ends = [e["ts"] + e["dur"] for e in ev if short(e["name"]) == "_sample_final_kernel"]
+    ends = [e["ts"] + e["dur"] for e in ev if "_sample_final_kernel" in e["name"]]  # one a step
     print(f"{label}: {len(ev)} kernels traced, streams {dict(streams)}, {len(ends)} sampler ends", flush=True)
     if len(ends) < 12:
         return None
@@ -54,7 +45,7 @@ def analyze(ev, label):
     for e in mains:
         end = e["ts"] + e["dur"]
         if lo < end <= hi and prev is not None:
-            r = agg[short(e["name"])]
+            r = agg[kernel_group(e["name"])]
             r[0] += 1
             r[1] += e["dur"]
             r[2] += end - prev
@@ -62,22 +53,15 @@ def analyze(ev, label):
     for e in ev:
         end = e["ts"] + e["dur"]
         if e["args"].get("stream") != main and lo < end <= hi:
-            r = agg["side: " + short(e["name"])]
+            r = agg["side: " + kernel_group(e["name"])]
             r[0] += 1
             r[3] += e["dur"]
-    spans = sorted((max(e["ts"], lo), min(e["ts"] + e["dur"], hi)) for e in ev if e["ts"] + e["dur"] > lo and e["ts"] < hi)
-    busy, cur_s, cur_e = 0.0, None, None
-    for s_, t in spans:
-        if cur_e is None or s_ > cur_e:
-            if cur_e is not None:
-                busy += cur_e - cur_s
-            cur_s, cur_e = s_, t
-        else:
-            cur_e = max(cur_e, t)
-    if cur_e is not None:
-        busy += cur_e - cur_s
+    # idle: what no kernel covers in (lo, hi], the stretch from lo to the first kernel's start included
+    spans = [(max(e["ts"], lo), min(e["ts"] + e["dur"], hi), e["name"]) for e in ev
+             if e["ts"] + e["dur"] > lo and e["ts"] < hi]
+    idle_us = 1e6 * sum(g for g, _, _ in gaps_between(spans)) + min(a for a, _, _ in spans) - lo
     step_us = (hi - lo) / steps
-    idle = ((hi - lo) - busy) / steps
+    idle = idle_us / steps
     print(f"  step {step_us:.1f} us over {steps} steps; GPU idle {idle:.1f} us a step")
     print("  | kernel | launches a step | mean us | us a step | increment on the main stream, us a step |")
     rows = []
@@ -100,7 +84,7 @@ if os.environ.get("TL_SELFTEST"):  # the analysis on made-up kernels: 20 steps o
     r = analyze(ev, "selftest")
     assert abs(r["step_us"] - 20) < 1e-9 and abs(r["idle_us"] - 4) < 1e-9, r
     inc = {x["kernel"]: x["inc_us_step"] for x in r["rows"]}
-    assert inc == {"_wgmma_kernel": 12.0, "_attn_partial_kernel": 3.0, "_sample_final_kernel": 5.0, "side: cuBLAS gemm": 0.0}, inc
+    assert inc == {FP4_GEMM: 12.0, ATTENTION: 3.0, "sampler": 5.0, "side: " + CUBLAS: 0.0}, inc
     raise SystemExit("selftest passed")
 dev = torch.device("cuda")
 model = random_model(qwen25_config("7b"), a.quant, dev, seed=0)
