@@ -76,6 +76,9 @@ SHARED_HEADS = 32
 # busy eagerly. 0: always eager.
 PREFILL_GRAPH_TOKENS = 2048
 PREFILL_BUCKET = memory.PROMPT_BUCKET
+# The sampler splits each row's vocabulary into chunks of whole blocks of 1024 logits, about this many programs
+# an SM over all rows (a program walks its chunk block by block, so fewer, longer chunks are a longer chain)
+SAMPLE_PER_SM = 2
 # An eager prefill runs this many prompt tokens at a time at most (whole prompts), so that its activations
 # (a gate|up output of 16384 tokens is 1.2 GB for a 7B model) stay a small part of the memory
 PREFILL_CHUNK_TOKENS = 16384
@@ -270,9 +273,9 @@ class _State:
         self.attn_m = torch.zeros(rows, 2 * self.attn_split, dtype=torch.float32, device=dev)
         self.attn_l = torch.zeros_like(self.attn_m)
         self.attn_acc = torch.zeros(rows, 2 * self.attn_split, D, dtype=torch.float32, device=dev)
-        # sampler split over the vocabulary: about 2 programs per SM
+        # sampler split over the vocabulary: about SAMPLE_PER_SM programs an SM
         self.v_block = 1024
-        self.v_chunk = self.v_block * math.ceil(V / max(1, math.ceil(2 * dec.sms / N)) / self.v_block)
+        self.v_chunk = self.v_block * math.ceil(V / max(1, math.ceil(SAMPLE_PER_SM * dec.sms / N)) / self.v_block)
         self.v_split = math.ceil(V / self.v_chunk)
         self.sm_m = torch.zeros(N, self.v_split, dtype=torch.float32, device=dev)
         self.sm_s = torch.zeros_like(self.sm_m)

@@ -44,6 +44,22 @@ def test_engine_equals_the_plain_sampler(hf_folder, kernels, quantize, temperatu
     assert_same_rollout(got, ref)
 
 
+@interpreted
+@pytest.mark.parametrize("per_sm", [1, 8])
+def test_sampler_split_over_the_vocabulary_samples_the_same(hf_folder, monkeypatch, per_sm):
+    """A vocabulary of 2,500 (three blocks of 1,024 logits): at 1 program an SM each row's chunk walks two
+    blocks and the rows' two chunks merge; at 8, three one-block chunks. Both sample as the plain sampler."""
+    monkeypatch.setattr(decode, "SAMPLE_PER_SM", per_sm)
+    _, model = load(hf_folder, seed=2, vocab_size=2500)
+    prompts = prompts_of([4, 6], 2500, seed=2)
+    kw = dict(n=1, max_new_tokens=5, temperature=1.1, top_p=1.0, top_k=0, stop_ids=(7,), seed=3)
+    ref = rollout.generate(model, prompts, kernels="torch", **kw)
+    got = decode.generate(model, prompts, kernels="triton", **kw)
+    st = next(iter(decode.decoder_of(model).states.values()))
+    assert (st.v_split, st.v_chunk) == ((2, 2048) if per_sm == 1 else (3, 1024))
+    assert_same_rollout(got, ref)
+
+
 def test_generate_dispatches_to_the_engine_only_where_asked(hf_folder):
     _, model = load(hf_folder, with_lora=False)
     assert not rollout.uses_engine(model, "auto") and not rollout.uses_engine(model, "torch")  # (a CPU model)
