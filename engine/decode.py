@@ -77,8 +77,9 @@ SHARED_HEADS = 32
 PREFILL_GRAPH_TOKENS = 2048
 PREFILL_BUCKET = memory.PROMPT_BUCKET
 # The sampler splits each row's vocabulary into chunks of whole blocks of 1024 logits, about this many programs
-# an SM over all rows (a program walks its chunk block by block, so fewer, longer chunks are a longer chain)
-SAMPLE_PER_SM = 2
+# an SM over all rows (a program walks its chunk block by block, so fewer, longer chunks are a longer chain;
+# 8 against 2: 0.4-0.6% off a step at 32-64 rows, the same at 1-8: results/engine_floor_h100.md)
+SAMPLE_PER_SM = 8
 # An eager prefill runs this many prompt tokens at a time at most (whole prompts), so that its activations
 # (a gate|up output of 16384 tokens is 1.2 GB for a 7B model) stay a small part of the memory
 PREFILL_CHUNK_TOKENS = 16384
