@@ -908,8 +908,6 @@ def _decoder(model, kernels, graphs, kv="model"):
     return dec
 
 
-
-
 def generate(model, prompts, *, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0, top_k=0, stop_ids=(),
              seed=None, pad_id=0, kernels="auto", graphs="auto", stream=None, compact=True, kv_cache="model",
              prompt_len=0):
