@@ -11,18 +11,27 @@ tests/engine/test_bench_rollout.py. The tables it printed: results/rollout_h200.
     python -m engine.bench_rollout --bench --batches 64 --new-tokens 1024 --early-stop 256   # rows that stop early
     python -m engine.bench_rollout --bench --quants nvfp4 --batches 1 --big-size 72b --json rows.json
     python -m engine.bench_rollout --bench --no-big --batches 64 --new-tokens 2048 --kv-cache fp8   # the FP8 cache
+    python -m engine.bench_rollout --bench --quants nvfp4 --no-big --batches 1 --timeline 1 8 64   # kernel by kernel
 
 Each row is set against its floor: the bytes a decode step must read at least (every weight it touches
 once, and each row's KV cache up to its column, at the decode's mean column: prompt + new tokens / 2)
 over this card's copy bandwidth, measured in the same run; its share is floor / measured time a step.
 --json writes the rows (with their floors, the card and the versions), --bench-out the markdown table.
+Where a step goes: --profile sums each kind of kernel's time over eager steps, set against what it reads;
+--timeline traces the graphed step as it runs and shares its time out among the kernels (timeline_shares), so
+that kernels overlapping one another are counted once and the shares add up to the step.
 
 The random models are built on the GPU (random_model): an NVFP4 one directly in NVFP4, each linear's
 codes and block scales drawn from a pool of quantized N(0, std) blocks, so that no bf16 copy of a layer
 is ever made (a bf16 72B would be 145 GB) and each block costs one gather.
 """
 import argparse
+import collections
 import gc
+import heapq
+import json
+import os
+import tempfile
 import time
 from types import SimpleNamespace
 
@@ -317,6 +326,76 @@ def _profile(model, batch, prompt_len, steps=4, copy_tb_s=None, kv_cache="model"
     return "\n".join(lines)
 
 
+def timeline_kind(e):
+    """The timeline's row for a traced kernel (a Chrome-trace event): its profile group, with the attention's
+    two kernels apart and each fp4 GEMM by its grid (a layer's GEMMs launch different grids)."""
+    g = kernel_group(e["name"])
+    if g == ATTENTION:
+        return g + (": combine" if "combine" in e["name"] else ": split")
+    if g == FP4_GEMM:
+        return f"{g} {e['name'].split('(')[0][:16]} grid {tuple(e.get('args', {}).get('grid', ()))}"
+    return g
+
+
+def timeline_shares(kernels, lo, hi, kind=timeline_kind):
+    """Where the GPU's time in (lo, hi] went, from a trace of its kernels on any streams (events with name, ts
+    and dur in µs, as a Chrome trace holds them): each instant that some kernel covers goes to the one running
+    then that started first. A kernel launched early beside the one before it (programmatic dependent launch)
+    or on a second stream beside a longer one then costs only what it adds past them, and the shares and the
+    idle time add up to hi - lo. → ({kind(event): µs}, idle µs)."""
+    marks = []
+    for i, e in enumerate(kernels):
+        a, b = max(e["ts"], lo), min(e["ts"] + e["dur"], hi)
+        if a < b:
+            marks += [(a, 1, i), (b, 0, i)]
+    shares, live, gone, t0, idle = collections.defaultdict(float), [], set(), lo, 0.0
+    for t, starts, i in sorted(marks):  # (at one instant, ends before starts)
+        while live and live[0][1] in gone:
+            heapq.heappop(live)
+        if live and t > t0:
+            shares[kind(kernels[live[0][1]])] += t - t0
+        elif not live:
+            idle += t - t0
+        t0 = t
+        if starts:
+            heapq.heappush(live, (kernels[i]["ts"], i))
+        else:
+            gone.add(i)
+    return dict(shares), idle + hi - t0
+
+
+def _timeline(model, batch, prompt_len, new_tokens=48, n=1):
+    """Where the graphed decode step's time goes, kernel by kernel: a forced rollout of `batch` rows (`n` a
+    prompt) traced by torch.profiler (CUPTI records the kernels of each replayed graph), its steps in the middle
+    (between sampler ends) shared out by timeline_shares. → lines."""
+    from torch.profiler import ProfilerActivity, profile
+
+    V = model.config.vocab_size
+    prompts = torch.randint(0, V, (batch // n, prompt_len), generator=torch.Generator().manual_seed(batch)).tolist()
+    kw = dict(n=n, max_new_tokens=new_tokens, stop_ids=(), seed=5)
+    generate(model, prompts, **kw)  # compiles and captures
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        generate(model, prompts, **kw)
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as d:
+        prof.export_chrome_trace(os.path.join(d, "trace.json"))
+        with open(os.path.join(d, "trace.json")) as f:
+            ev = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
+    ends = sorted(e["ts"] + e["dur"] for e in ev if "_sample_final_kernel" in e["name"])  # one a step
+    if len(ends) < 12:
+        return [f"timeline batch {batch}: {len(ev)} kernels traced, {len(ends)} steps: too few to read"]
+    lo, hi = ends[len(ends) // 3], ends[-4]
+    steps = sum(lo < t <= hi for t in ends)
+    shares, idle = timeline_shares(ev, lo, hi)
+    launches = collections.Counter(timeline_kind(e) for e in ev if lo < e["ts"] + e["dur"] <= hi)
+    lines = [f"timeline batch {batch} ({n} a prompt): {(hi - lo) / steps:.1f} us a step over {steps} graphed steps, "
+             f"{idle / steps:.1f} of them idle; each kind's share of a step (launches a step):"]
+    for k, us in sorted(shares.items(), key=lambda kv: -kv[1]):
+        lines.append(f"    {k:<50} {us / steps:8.1f} us  ({launches[k] / steps:.0f})")
+    return lines
+
+
 def bench(args):
     """The table of results/rollout_h200.md: Qwen2.5-7B shape (random weights), prompt 256, 512 new tokens
     forced, NVFP4 + LoRA r32 (unmerged) vs bf16 + the same LoRA, batch 1/8/64; then the big model
@@ -403,6 +482,10 @@ def bench(args):
                         f"step, rows {on['shrinks']}): {on['tok_s'] / off['tok_s']:.2f}x the tok/s")
                 print(line, flush=True)
                 notes.append(line)
+            for b in (args.timeline if (size, quant) == ("7b", "nvfp4") else []):
+                line = f"{size} {quant} " + "\n".join(_timeline(model, b, args.prompt_len, n=8 if b % 8 == 0 else 1))
+                print(line, flush=True)
+                notes.append(line)
             if args.profile and (size, quant) == ("7b", "nvfp4"):
                 for b in args.profile:
                     try:
@@ -467,6 +550,9 @@ def main(argv=None):
                    "the model dtype, or fp8 (E4M3 with a scale a token and kv head: rollout.KVCache)")
     p.add_argument("--check", action="store_true", help="benchmark: first check the GPU step against rollout.py's plain sampler and a full forward")
     p.add_argument("--profile", type=int, nargs="*", default=[], help="benchmark: kernel-time profile at these batches")
+    p.add_argument("--timeline", type=int, nargs="*", default=[], help="benchmark: where the graphed step's time "
+                   "goes, kernel by kernel, from a trace of 48 forced steps at these batches (8 rows a prompt where "
+                   "the batch is a multiple of 8)")
     p.add_argument("--variants", action="store_true", help="benchmark: also time eager (no graphs) and torch-op steps")
     p.add_argument("--early-stop", type=mean_length, default=0, metavar="MEAN",
                    help="benchmark: also time rollouts whose rows stop after ~MEAN tokens on average (up to "

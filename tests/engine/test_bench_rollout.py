@@ -152,3 +152,25 @@ def test_json_rows_are_written_whole(tmp_path):
     write_json(str(path), dict(rows=[dict(a=1.5, b=float("nan"), c=torch.tensor([1, 2]))], name="x"))
     assert json.loads(path.read_text()) == dict(rows=[dict(a=1.5, b=None, c=[1, 2])], name="x")
     assert [p.name for p in tmp_path.iterdir()] == ["rows.json"]  # (no temporary file left)
+
+
+def test_timeline_shares_add_up_to_the_stretch():
+    """Made-up steps of 20 µs: a GEMM, a cuBLAS kernel beside it on another stream (hidden: it costs nothing),
+    an attention kernel launched early, 2 µs before the GEMM ends (it costs its 3 µs past the GEMM), a sampler
+    after 2 idle µs, and 2 idle µs after it. Over (lo, hi] = steps 3-13, each kind's share a step and the idle
+    time add up to the stretch."""
+    ev, t = [], 0.0
+    for _ in range(16):
+        ev += [dict(name="_wgmma_kernel", ts=t, dur=10.0, args=dict(grid=[56, 1, 8])),
+               dict(name="sm90_xmma_gemm", ts=t + 1, dur=4.0),
+               dict(name="_attn_partial_kernel", ts=t + 8, dur=5.0),
+               dict(name="_sample_final_kernel", ts=t + 15, dur=3.0)]
+        t += 20.0
+    shares, idle = bench_rollout.timeline_shares(ev, 60.0, 260.0)
+    per_step = {k: v / 10 for k, v in shares.items()}
+    assert per_step == {"fp4 gemm _wgmma_kernel grid (56, 1, 8)": 10.0, "attention: split": 3.0, "sampler": 3.0}
+    assert idle / 10 == 4.0 and sum(shares.values()) + idle == 200.0
+    # a stretch that cuts kernels: only their parts inside it count; a stretch with no kernel is idle
+    shares, idle = bench_rollout.timeline_shares(ev, 5.0, 9.0)
+    assert shares == {"fp4 gemm _wgmma_kernel grid (56, 1, 8)": 4.0} and idle == 0.0
+    assert bench_rollout.timeline_shares(ev, 318.0, 319.5) == ({}, 1.5)
