@@ -364,15 +364,15 @@ def timeline_shares(kernels, lo, hi, kind=timeline_kind):
     return dict(shares), idle + hi - t0
 
 
-def _timeline(model, batch, prompt_len, new_tokens=48, n=1):
+def _timeline(model, batch, prompt_len, new_tokens=48, n=1, **kw):
     """Where the graphed decode step's time goes, kernel by kernel: a forced rollout of `batch` rows (`n` a
-    prompt) traced by torch.profiler (CUPTI records the kernels of each replayed graph), its steps in the middle
-    (between sampler ends) shared out by timeline_shares. → lines."""
+    prompt; kw: generate's engine options) traced by torch.profiler (CUPTI records the kernels of each replayed
+    graph), its steps in the middle (between sampler ends) shared out by timeline_shares. → lines."""
     from torch.profiler import ProfilerActivity, profile
 
     V = model.config.vocab_size
     prompts = torch.randint(0, V, (batch // n, prompt_len), generator=torch.Generator().manual_seed(batch)).tolist()
-    kw = dict(n=n, max_new_tokens=new_tokens, stop_ids=(), seed=5)
+    kw = dict(kw, n=n, max_new_tokens=new_tokens, stop_ids=(), seed=5)
     generate(model, prompts, **kw)  # compiles and captures
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -483,7 +483,11 @@ def bench(args):
                 print(line, flush=True)
                 notes.append(line)
             for b in (args.timeline if (size, quant) == ("7b", "nvfp4") else []):
-                line = f"{size} {quant} " + "\n".join(_timeline(model, b, args.prompt_len, n=8 if b % 8 == 0 else 1))
+                try:
+                    line = f"{size} {quant} " + "\n".join(_timeline(model, b, args.prompt_len, n=8 if b % 8 == 0 else 1,
+                                                                     **asked))
+                except Exception as e:
+                    line = f"{size} {quant} timeline failed: {type(e).__name__}: {e}"
                 print(line, flush=True)
                 notes.append(line)
             if args.profile and (size, quant) == ("7b", "nvfp4"):
