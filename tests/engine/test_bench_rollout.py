@@ -157,7 +157,7 @@ def test_json_rows_are_written_whole(tmp_path):
 def test_timeline_shares_add_up_to_the_stretch():
     """Made-up steps of 20 µs: a GEMM, a cuBLAS kernel beside it on another stream (hidden: it costs nothing),
     an attention kernel launched early, 2 µs before the GEMM ends (it costs its 3 µs past the GEMM), a sampler
-    after 2 idle µs, and 2 idle µs after it. Over (lo, hi] = steps 3-13, each kind's share a step and the idle
+    after 2 idle µs, and 2 idle µs after it. Over (lo, hi] = steps 3-12, each kind's share a step and the idle
     time add up to the stretch."""
     ev, t = [], 0.0
     for _ in range(16):

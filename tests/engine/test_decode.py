@@ -47,8 +47,8 @@ def test_engine_equals_the_plain_sampler(hf_folder, kernels, quantize, temperatu
 @interpreted
 @pytest.mark.parametrize("per_sm", [1, 8])
 def test_sampler_split_over_the_vocabulary_samples_the_same(hf_folder, monkeypatch, per_sm):
-    """A vocabulary of 2,500 (three blocks of 1,024 logits): at 1 program an SM each row's chunk walks two
-    blocks and the rows' two chunks merge; at 8, three one-block chunks. Both sample as the plain sampler."""
+    """A vocabulary of 2,500 (three blocks of 1,024 logits), 2 rows, 4 SMs on the CPU: at 1 program an SM each
+    row's vocabulary is two chunks of two blocks, at 8 three chunks of one. Both sample as the plain sampler."""
     monkeypatch.setattr(decode, "SAMPLE_PER_SM", per_sm)
     _, model = load(hf_folder, seed=2, vocab_size=2500)
     prompts = prompts_of([4, 6], 2500, seed=2)
