@@ -2,7 +2,7 @@
 and combine) at 32 or 64 rows, 8 rows a prompt, under Nsight Compute, to see what the split kernel waits on.
 7B shape, NVFP4 + LoRA r32; prompt 256; the step 40 new tokens in (the kernels of earlier steps skipped).
 
-    ncu -k regex:_attn_ --launch-skip 1120 --launch-count 4 --section SpeedOfLight --section Occupancy \
+    PYTHONPATH=. ncu -k regex:_attn_ --launch-skip 1120 --launch-count 4 --section SpeedOfLight --section Occupancy \
         --section LaunchStats --section WarpStateStats --section SchedulerStats \
         python results/engine_floor_raw/ncu_attn.py 64
 """
