@@ -243,7 +243,7 @@ def floor_ms(weight_bytes, kv_token_bytes, kv_tokens, copy_tb_s):
 # The profile's kernel groups that read weights or the cache (step_reads sets them against those reads);
 # kernel_group names the rest too.
 FP4_GEMM, K_ORDER, LORA_A, LORA_B = "fp4 gemm", "fp4 gemm: x in K order", "LoRA A (small_linear)", "LoRA B"
-CUBLAS, ATTENTION = "cuBLAS (lm_head, LoRA, bf16 base)", "attention"
+CUBLAS, ATTENTION, CUBLAS_REDUCE = "cuBLAS (lm_head, LoRA, bf16 base)", "attention", "cuBLAS split-K reduces"
 
 
 def kernel_group(k):
@@ -255,7 +255,7 @@ def kernel_group(k):
             ATTENTION if "_attn_" in k else "rope+write" if "rope" in k else "silu_mul" if "silu" in k else
             "add_rmsnorm" if "rmsnorm" in k else "sampler" if "sample" in k else LORA_B if "lora_b" in k else
             CUBLAS if "gemm" in k.lower() or "gemv" in k.lower() or "cutlass" in k or "sm90" in k or "xmma" in k else
-            "cuBLAS split-K reduces" if "splitKreduce" in k else "other: " + k[:40])
+            CUBLAS_REDUCE if "splitKreduce" in k else "other: " + k[:40])
 
 
 def step_reads(model, batch, columns, kv_cache="model"):
@@ -337,12 +337,20 @@ def timeline_kind(e):
     return g
 
 
-def timeline_shares(kernels, lo, hi, kind=timeline_kind):
+def _yields(e):
+    """Whether a traced kernel gives way to the others running beside it in timeline_shares: cuBLAS's, which
+    from 2 rows are the decode step's second stream (the LoRA A products and their split-K reduces, started
+    beside the K-order launch or the GEMM that the step waits on); lm_head's runs alone."""
+    return kernel_group(e["name"]) in (CUBLAS, CUBLAS_REDUCE)
+
+
+def timeline_shares(kernels, lo, hi, kind=timeline_kind, yields=_yields):
     """Where the GPU's time in (lo, hi] went, from a trace of its kernels on any streams (events with name, ts
     and dur in µs, as a Chrome trace holds them): each instant that some kernel covers goes to the one running
-    then that started first. A kernel launched early beside the one before it (programmatic dependent launch)
-    or on a second stream beside a longer one then costs only what it adds past them, and the shares and the
-    idle time add up to hi - lo. → ({kind(event): µs}, idle µs)."""
+    then that started first, those that `yield` only where nothing else runs. A kernel launched early beside the
+    one before it (programmatic dependent launch), or on the second stream beside the main one's, then costs
+    only what it adds past them, and the shares and the idle time add up to hi - lo.
+    → ({kind(event): µs}, idle µs)."""
     marks = []
     for i, e in enumerate(kernels):
         a, b = max(e["ts"], lo), min(e["ts"] + e["dur"], hi)
@@ -350,15 +358,15 @@ def timeline_shares(kernels, lo, hi, kind=timeline_kind):
             marks += [(a, 1, i), (b, 0, i)]
     shares, live, gone, t0, idle = collections.defaultdict(float), [], set(), lo, 0.0
     for t, starts, i in sorted(marks):  # (at one instant, ends before starts)
-        while live and live[0][1] in gone:
+        while live and live[0][-1] in gone:
             heapq.heappop(live)
         if live and t > t0:
-            shares[kind(kernels[live[0][1]])] += t - t0
+            shares[kind(kernels[live[0][-1]])] += t - t0
         elif not live:
             idle += t - t0
         t0 = t
         if starts:
-            heapq.heappush(live, (kernels[i]["ts"], i))
+            heapq.heappush(live, (yields(kernels[i]), kernels[i]["ts"], i))
         else:
             gone.add(i)
     return dict(shares), idle + hi - t0

@@ -155,22 +155,26 @@ def test_json_rows_are_written_whole(tmp_path):
 
 
 def test_timeline_shares_add_up_to_the_stretch():
-    """Made-up steps of 20 µs: a GEMM, a cuBLAS kernel beside it on another stream (hidden: it costs nothing),
-    an attention kernel launched early, 2 µs before the GEMM ends (it costs its 3 µs past the GEMM), a sampler
-    after 2 idle µs, and 2 idle µs after it. Over (lo, hi] = steps 3-12, each kind's share a step and the idle
-    time add up to the stretch."""
+    """Made-up steps of 20 µs: x put in K order, a cuBLAS product on the second stream started beside it and
+    ending inside the GEMM after it (hidden: it costs nothing), an attention kernel launched early, 2 µs before
+    the GEMM ends (it costs its 3 µs past the GEMM), a sampler after 2 idle µs, and 2 idle µs after it. Over
+    (lo, hi] = steps 3-12, each kind's share a step and the idle time add up to the stretch."""
     ev, t = [], 0.0
     for _ in range(16):
-        ev += [dict(name="_wgmma_kernel", ts=t, dur=10.0, args=dict(grid=[56, 1, 8])),
-               dict(name="sm90_xmma_gemm", ts=t + 1, dur=4.0),
+        ev += [dict(name="_k_order_kernel", ts=t, dur=2.0),
+               dict(name="sm90_xmma_gemm", ts=t + 0.5, dur=5.5),
+               dict(name="_wgmma_kernel", ts=t + 2, dur=8.0, args=dict(grid=[56, 1, 8])),
                dict(name="_attn_partial_kernel", ts=t + 8, dur=5.0),
                dict(name="_sample_final_kernel", ts=t + 15, dur=3.0)]
         t += 20.0
     shares, idle = bench_rollout.timeline_shares(ev, 60.0, 260.0)
     per_step = {k: v / 10 for k, v in shares.items()}
-    assert per_step == {"fp4 gemm _wgmma_kernel grid (56, 1, 8)": 10.0, "attention: split": 3.0, "sampler": 3.0}
+    assert per_step == {bench_rollout.K_ORDER: 2.0, "fp4 gemm _wgmma_kernel grid (56, 1, 8)": 8.0,
+                        "attention: split": 3.0, "sampler": 3.0}
     assert idle / 10 == 4.0 and sum(shares.values()) + idle == 200.0
-    # a stretch that cuts kernels: only their parts inside it count; a stretch with no kernel is idle
-    shares, idle = bench_rollout.timeline_shares(ev, 5.0, 9.0)
-    assert shares == {"fp4 gemm _wgmma_kernel grid (56, 1, 8)": 4.0} and idle == 0.0
+    # a stretch that cuts kernels: only their parts inside it count; the cuBLAS kernel takes what no other
+    # covers; a stretch with no kernel is idle
+    shares, idle = bench_rollout.timeline_shares(ev, 1.0, 5.0)
+    assert shares == {bench_rollout.K_ORDER: 1.0, "fp4 gemm _wgmma_kernel grid (56, 1, 8)": 3.0} and idle == 0.0
+    assert bench_rollout.timeline_shares([ev[1]], 1.0, 5.0) == ({bench_rollout.CUBLAS: 4.0}, 0.0)
     assert bench_rollout.timeline_shares(ev, 318.0, 319.5) == ({}, 1.5)
