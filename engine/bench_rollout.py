@@ -347,8 +347,8 @@ def _yields(e):
 def timeline_shares(kernels, lo, hi, kind=timeline_kind, yields=_yields):
     """Where the GPU's time in (lo, hi] went, from a trace of its kernels on any streams (events with name, ts
     and dur in µs, as a Chrome trace holds them): each instant that some kernel covers goes to the one running
-    then that started first, those that `yield` only where nothing else runs. A kernel launched early beside the
-    one before it (programmatic dependent launch), or on the second stream beside the main one's, then costs
+    then that started first, a kernel that `yields` only where nothing else runs. A kernel launched early beside
+    the one before it (programmatic dependent launch), or on the second stream beside the main one's, then costs
     only what it adds past them, and the shares and the idle time add up to hi - lo.
     → ({kind(event): µs}, idle µs)."""
     marks = []
