@@ -562,9 +562,9 @@ def main(argv=None):
                    "the model dtype, or fp8 (E4M3 with a scale a token and kv head: rollout.KVCache)")
     p.add_argument("--check", action="store_true", help="benchmark: first check the GPU step against rollout.py's plain sampler and a full forward")
     p.add_argument("--profile", type=int, nargs="*", default=[], help="benchmark: kernel-time profile at these batches")
-    p.add_argument("--timeline", type=int, nargs="*", default=[], help="benchmark: where the graphed step's time "
-                   "goes, kernel by kernel, from a trace of 48 forced steps at these batches (8 rows a prompt where "
-                   "the batch is a multiple of 8)")
+    p.add_argument("--timeline", type=int, nargs="*", default=[], help="benchmark: where the 7B NVFP4 model's "
+                   "graphed step's time goes, kernel by kernel, from a trace of 48 forced steps at these batches (8 "
+                   "rows a prompt where the batch is a multiple of 8)")
     p.add_argument("--variants", action="store_true", help="benchmark: also time eager (no graphs) and torch-op steps")
     p.add_argument("--early-stop", type=mean_length, default=0, metavar="MEAN",
                    help="benchmark: also time rollouts whose rows stop after ~MEAN tokens on average (up to "
