@@ -74,6 +74,16 @@ def k_ordered_tile(v, R: tl.constexpr, C: tl.constexpr, BK: tl.constexpr):
     return tl.reshape(v, (R, C))
 
 
+@triton.jit
+def k_order_place(p, BK: tl.constexpr):
+    """Where column p (0 <= p < BK) of a k-step goes in the wgmma kernel's K order: the column i whose
+    wgmma_k_order is p. The inverse of k_ordered_tile's move, for a kernel that stores x in pieces that are
+    not whole k-steps (a scattered store): p = (BK/4) t + 8 j + 4 h + r goes to 16 (2 j + a) + 8 b + 2 t + h
+    with 2 a + b = 3 - r."""
+    t, j, h, r = p // (BK // 4), (p % (BK // 4)) // 8, (p // 4) % 2, p % 4
+    return 16 * (2 * j + (3 - r) // 2) + 8 * ((3 - r) % 2) + 2 * t + h
+
+
 def _x_rows(M, plan):
     """Rows of x a wgmma plan's programs read: M rounded up to whole tiles of BT. The rows past M are never
     stored (the plain kernel masks them, the warp-specialized variant's TMA copies read whole tiles: a tile

@@ -4,6 +4,7 @@ prompt), and the RL step's early-stop rollout (8 prompts x 8, prompt 256, up to 
 temperature), alternating rounds; first, each value's sampled rollout against the first value's (same seed).
 
     PYTHONPATH=. python results/engine_floor_raw/knob_ab.py decode.SAMPLE_PER_SM 2 8 16 --json ab.json
+    PYTHONPATH=. python results/engine_floor_raw/knob_ab.py decode.ATTN_MERGE,decode.NORM_MERGE 0,0 1,0 1,1
 """
 import argparse, importlib, json, time
 import torch, triton
@@ -15,17 +16,26 @@ from model import qwen25_config
 from rollout import release
 
 p = argparse.ArgumentParser()
-p.add_argument("knob", help="module.NAME under engine/, e.g. decode.SAMPLE_PER_SM")
-p.add_argument("values", type=int, nargs="+")
+p.add_argument("knob", help="module.NAME under engine/, e.g. decode.SAMPLE_PER_SM, or several joined by commas")
+p.add_argument("values", nargs="+", help="one int a knob, joined by commas where there are several")
 p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
 p.add_argument("--rounds", type=int, default=2)
 p.add_argument("--new-tokens", type=int, default=192)
 p.add_argument("--early", type=int, default=1, help="early-stop rollouts a value a round (0: none)")
 p.add_argument("--json", default=None)
 a = p.parse_args()
-mod_name, name = a.knob.rsplit(".", 1)
-mod = importlib.import_module("engine." + mod_name)
-assert hasattr(mod, name), a.knob
+knobs = []
+for k in a.knob.split(","):
+    mod_name, name = k.rsplit(".", 1)
+    knobs.append((importlib.import_module("engine." + mod_name), name))
+    assert hasattr(*knobs[-1]), k
+
+
+def set_knobs(v):
+    for (mod, name), x in zip(knobs, v.split(","), strict=True):
+        setattr(mod, name, int(x))
+
+
 dev = torch.device("cuda")
 copy = copy_bandwidth()
 model = random_model(qwen25_config("7b"), "nvfp4", dev, seed=0)
@@ -40,7 +50,7 @@ with aqn.noise(model, 1e-2, torch.Generator(dev).manual_seed(0)):
     ref = None
     for v in a.values:
         release(model)
-        setattr(mod, name, v)
+        set_knobs(v)
         r = decode.generate(model, prompts, n=8, max_new_tokens=64, temperature=1.0, seed=11)
         ref = r if ref is None else ref
         same = (r.tokens == ref.tokens).float().mean().item()
@@ -50,7 +60,7 @@ with aqn.noise(model, 1e-2, torch.Generator(dev).manual_seed(0)):
     for rnd in range(a.rounds):
         for v in (a.values if rnd % 2 == 0 else a.values[::-1]):
             release(model)
-            setattr(mod, name, v)
+            set_knobs(v)
             for b in a.batches:
                 n = 8 if b >= 8 else 1
                 r = _bench_one(model, b // n, 256, a.new_tokens, seed=b, n=n)

@@ -144,6 +144,34 @@ def test_attention_chunks_follow_the_current_column(hf_folder):
     assert torch.allclose(a.logprobs, b.logprobs, atol=1e-4)
 
 
+@interpreted
+@pytest.mark.filterwarnings("ignore:invalid value encountered in subtract:RuntimeWarning")
+@pytest.mark.parametrize("merge", [0, 1])
+def test_kernels_store_their_outputs_in_the_next_gemms_k_order(hf_folder, monkeypatch, merge):
+    """Where a GEMM reads x in its K order (on the GPU from a few tens of rows), the op before stores its
+    output so: here that order asked of the ops before q|k|v, o and gate|up on the CPU (k-steps of 64
+    columns), and each GEMM given its x back in natural order. The same rollout as without the order, with
+    the merges in one launch (merge 1: ATTN_MERGE, where a kv head's 3 query heads of 32 columns, 96, make
+    stores that cross k-steps, and NORM_MERGE) and in launches of their own (0); groups of 3 samples share
+    their prompts."""
+    monkeypatch.setattr(decode, "ATTN_MERGE", merge)
+    monkeypatch.setattr(decode, "NORM_MERGE", merge)
+    _, model = load(hf_folder, seed=8, hidden_size=192, num_attention_heads=6, num_key_value_heads=2)
+    prompts = prompts_of([5, 9], 97, seed=8)
+    kw = dict(n=3, max_new_tokens=6, temperature=0.0, kernels="triton")
+    ref = decode.generate(model, prompts, **kw)
+    rollout.release(model)
+    k_step = 64  # (q|k|v's, o's and gate|up's K are 192; down's, 96, stays in natural order)
+    natural = torch.argsort(wgmma_k_order(192, k_step, "cpu"))
+    monkeypatch.setattr(decode.Decoder, "x_orders", lambda self, layer, N: ((k_step, N),) * 3 + (decode.NATURAL,))
+    gemm = decode.Decoder.gemm
+    monkeypatch.setattr(decode.Decoder, "gemm", lambda self, grp, x, order=decode.NATURAL:
+                        gemm(self, grp, x[:, natural] if order[0] else x))
+    got = decode.generate(model, prompts, **kw)
+    assert next(iter(decode.decoder_of(model).states.values())).x_orders[0][:3] == ((k_step, 6),) * 3
+    assert_same_rollout(got, ref, atol=1e-6)
+
+
 def test_attention_grid_fits_in_one_wave():
     """D = 128 on 132 SMs: a program holds 102, 70 or 38 KB of shared memory at 4, 3 or 2 stages in bf16,
     so 2, 3 or 5 fit an SM (fp32 blocks take twice the room). The split: about 2 programs an SM, at most
