@@ -214,10 +214,11 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, pad_ptr, done_pt
     program of every ROWS-th row of a group also takes slice c of them for the query heads of h of that
     row and the ROWS - 1 after it (Q_PAD >= ROWS·G query rows, a larger tile), into slot C + c.
 
-    MERGE: no combine launch follows; the program that writes the last of a row's NSLOT partials for kv head h
-    merges them itself (_attn_merge). Each program takes a ticket (an atomic count, tickets_ptr) for every row
-    it wrote a partial of, as the mma kernel's split-K does for its tiles; the one that brings a row's count to
-    NSLOT merges that row and sets its count back to 0 for the next launch."""
+    MERGE: no combine launch follows; the last program to write a partial of a row's kv head h merges them
+    (_attn_merge, NSLOT partials a query head). The ROWS rows whose shared prompt one program reads share a
+    ticket (an atomic count at tickets_ptr, as the mma kernel's split-K has one a tile): every program of
+    theirs takes it once, the one that read the shared prompt twice; the program that brings the count to
+    all of theirs merges every one of those rows and sets the count back to 0 for the next launch."""
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // Hkv
@@ -245,18 +246,21 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, pad_ptr, done_pt
     _attn_part(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, m_ptr, l_ptr, acc_ptr, qrow, g < G,
                (b * Hkv + h).to(tl.int64) * S * D, lo, hi, qrow * STRIDE + split, sm_scale, G_PAD, D, BLOCK_N, PREC,
                FP8)
-    if MERGE:
-        tl.debug_barrier()  # every partial of this program is written before it takes its tickets
-        lead = ((b % N_GROUP) % ROWS == 0) & (N_GROUP > 1)  # (it also read the shared prompt of ROWS rows)
-        i = tl.arange(0, R_PAD)
-        rows = b + i
-        arrive = (i == 0) | (lead & (i < ROWS) & (b % N_GROUP + i < N_GROUP))
-        inc = 1 + ((i == 0) & lead).to(tl.int32)  # (its own row: its own chunk, and the shared one)
-        ticket = tickets_ptr + rows * Hkv + h
-        last = arrive & (tl.atomic_add(ticket, inc, mask=arrive, sem="acq_rel", scope="gpu") + inc == NSLOT)
-        if tl.max(last.to(tl.int32), 0) > 0:
-            tl.store(ticket, tl.zeros([R_PAD], tl.int32), mask=last)
-            _attn_merge(m_ptr, l_ptr, acc_ptr, out_ptr, rows, last, h, Hkv, NSLOT, STRIDE, G, NS_PAD, D, K_STEP)
+    if MERGE:  # one ticket for the rows whose shared prompt one program reads (a row alone without groups)
+        first = b - (b % N_GROUP) % ROWS
+        n = tl.minimum(ROWS, N_GROUP - first % N_GROUP)  # (fewer at the end of a group)
+        arrivals = tl.num_programs(1) * n  # the rows' own chunks ...
+        take = 1
+        if N_GROUP > 1:
+            arrivals += tl.num_programs(1)  # ... and the shared prompt's, read by the first row's programs
+            take += (b == first).to(tl.int32)
+        tl.debug_barrier()  # every partial of this program is written before it takes its ticket
+        ticket = tickets_ptr + first * Hkv + h
+        if tl.atomic_add(ticket, take, sem="acq_rel", scope="gpu") + take == arrivals:
+            tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")  # (for the next launch)
+            i = tl.arange(0, R_PAD)
+            _attn_merge(m_ptr, l_ptr, acc_ptr, out_ptr, first + i, i < n, h, Hkv, NSLOT, STRIDE, G, NS_PAD, D,
+                        K_STEP)
 
 
 @triton.jit
