@@ -17,10 +17,12 @@ loop:
 - Per layer, linears that read the same input are one GEMM (q|k|v, gate|up: _Group, their weights
   stacked once, the model's linears keeping views of the rows), their LoRA A's side by side, and the
   small ops between the GEMMs fused into Triton kernels (engine/decode_kernels.py): residual add +
-  RMSNorm, LoRA B + rotary embedding + K/V write, LoRA B + SiLU·up, LoRA B of o and down in place.
+  RMSNorm, LoRA B + rotary embedding + K/V write, LoRA B + SiLU·up, LoRA B of o and down in place (or,
+  with NORM_MERGE, in the launch of the add_rmsnorm after it).
 - Attention reads only the columns present (split-K over chunks that follow the current column, then a
-  combine); a finished row reads none of its own columns; a group's shared prompt is read once, from its
-  first row, for all its samples (SHARED_HEADS query heads a program), whether or not they have finished.
+  combine, or with ATTN_MERGE the chunks' last program merging them); a finished row reads none of its own
+  columns; a group's shared prompt is read once, from its first row, for all its samples (SHARED_HEADS query
+  heads a program), whether or not they have finished.
 - The sampler runs in the graph (split over the vocabulary, then a merge), with the row bookkeeping.
 - Programmatic dependent launch (engine/pdl.py) overlaps each kernel's launch with the one before;
   the ops before a warp-specialized wgmma GEMM store x in its K order (engine/korder.py); LoRA A
@@ -82,11 +84,13 @@ PREFILL_BUCKET = memory.PROMPT_BUCKET
 # 8 against 2: 0.4-0.6% off a step at 32-64 rows, the same at 1-8: results/engine_floor_h100.md)
 SAMPLE_PER_SM = 8
 # 1: the attention's split kernel merges each row's partial softmaxes itself, the last of its programs to
-# write one doing it (_attn_partial_kernel, MERGE), instead of a combine launch after it
-ATTN_MERGE = 1
+# write one doing it (_attn_partial_kernel, MERGE), instead of a combine launch after it. 0 until a GPU has
+# timed it against the combine (the A/B to run: results/engine_floor_h100.md, its last section)
+ATTN_MERGE = 0
 # 1: the LoRA B product after o and down and the add_rmsnorm after it in one launch, the last of the
-# product's programs for a row normalizing it (_lora_b_add_rmsnorm_kernel), where they were two
-NORM_MERGE = 1
+# product's programs for a row normalizing it (_lora_b_add_rmsnorm_kernel), where they were two. 0 until
+# timed, as ATTN_MERGE
+NORM_MERGE = 0
 # An eager prefill runs this many prompt tokens at a time at most (whole prompts), so that its activations
 # (a gate|up output of 16384 tokens is 1.2 GB for a 7B model) stay a small part of the memory
 PREFILL_CHUNK_TOKENS = 16384
