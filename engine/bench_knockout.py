@@ -14,10 +14,8 @@ path: the kernels' time and the wait each launch adds, less what overlapped.
     python -m engine.bench_knockout --batches 8 32 64 --samples 8        # 8 rows a prompt, as RL groups
 
 The kinds (KINDS), each a method of engine/decode.py's Decoder:
-  lora_b      the LoRA B products after o and down (Decoder.project; with decode.NORM_MERGE they share
-              a launch with the add_rmsnorm after them, which then runs alone)
-  attention   the decode attention: its split over the cache, which merges the chunks (decode.ATTN_MERGE),
-              or that and a combine launch (Decoder.attention)
+  lora_b      the LoRA B products added in place after o and down (Decoder.project)
+  attention   the decode attention: its split over the cache and the combine (Decoder.attention)
   rope_write  LoRA B of q|k|v, the rotary embedding, the K/V write (Decoder.rope_write)
   silu_mul    LoRA B of gate|up, SiLU and the product (Decoder.silu_mul)
   side        the LoRA A products from 2 rows on: cuBLAS on the second stream on Hopper (Decoder.gemm; at
@@ -64,8 +62,8 @@ def taken_out(kinds):
             zeros[key] = decode._output(M, N, order, like).zero_()
         return zeros[key]
 
-    def project(self, grp, x, order=decode.NATURAL, tickets=None):
-        return self.gemm(grp, x, order)[0] if grp.R else kept["project"](self, grp, x, order, tickets)
+    def project(self, grp, x, order=decode.NATURAL):
+        return self.gemm(grp, x, order)[0] if grp.R else kept["project"](self, grp, x, order)
 
     def attention(self, q, st, layer, terms, order=decode.NATURAL):
         return zeros_like_output(q.shape[0], q.shape[1] * q.shape[2], order, q)

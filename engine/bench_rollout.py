@@ -253,8 +253,7 @@ def kernel_group(k):
             K_ORDER if k.startswith("_k_order_kernel") else
             LORA_A if k.startswith("_small_kernel") else
             ATTENTION if "_attn_" in k else "rope+write" if "rope" in k else "silu_mul" if "silu" in k else
-            LORA_B if "lora_b" in k else  # (with decode.NORM_MERGE the add_rmsnorm after o and down is in it)
-            "add_rmsnorm" if "rmsnorm" in k else "sampler" if "sample" in k else
+            "add_rmsnorm" if "rmsnorm" in k else "sampler" if "sample" in k else LORA_B if "lora_b" in k else
             CUBLAS if "gemm" in k.lower() or "gemv" in k.lower() or "cutlass" in k or "sm90" in k or "xmma" in k else
             CUBLAS_REDUCE if "splitKreduce" in k else "other: " + k[:40])
 

@@ -17,12 +17,10 @@ loop:
 - Per layer, linears that read the same input are one GEMM (q|k|v, gate|up: _Group, their weights
   stacked once, the model's linears keeping views of the rows), their LoRA A's side by side, and the
   small ops between the GEMMs fused into Triton kernels (engine/decode_kernels.py): residual add +
-  RMSNorm, LoRA B + rotary embedding + K/V write, LoRA B + SiLU·up, LoRA B of o and down in place (or,
-  with NORM_MERGE, in the launch of the add_rmsnorm after it).
+  RMSNorm, LoRA B + rotary embedding + K/V write, LoRA B + SiLU·up, LoRA B of o and down in place.
 - Attention reads only the columns present (split-K over chunks that follow the current column, then a
-  combine, or with ATTN_MERGE the chunks' last program merging them); a finished row reads none of its own
-  columns; a group's shared prompt is read once, from its first row, for all its samples (SHARED_HEADS query
-  heads a program), whether or not they have finished.
+  combine); a finished row reads none of its own columns; a group's shared prompt is read once, from its
+  first row, for all its samples (SHARED_HEADS query heads a program), whether or not they have finished.
 - The sampler runs in the graph (split over the vocabulary, then a merge), with the row bookkeeping.
 - Programmatic dependent launch (engine/pdl.py) overlaps each kernel's launch with the one before;
   the ops before a warp-specialized wgmma GEMM store x in its K order (engine/korder.py); LoRA A
@@ -61,8 +59,7 @@ import fp4_gemm
 import lora
 import memory
 import rollout
-from engine.decode_kernels import (_add_rmsnorm_kernel, _attn_combine_kernel, _attn_partial_kernel,
-                                   _lora_b_add_rmsnorm_kernel, _lora_b_kernel,
+from engine.decode_kernels import (_add_rmsnorm_kernel, _attn_combine_kernel, _attn_partial_kernel, _lora_b_kernel,
                                    _rope_write_kernel, _sample_final_kernel, _sample_partial_kernel, _silu_mul_kernel)
 from engine.korder import fp4_linear_k_ordered, wgmma_k_order, x_k_order
 from engine.pdl import pdl_opts
@@ -83,14 +80,6 @@ PREFILL_BUCKET = memory.PROMPT_BUCKET
 # an SM over all rows (a program walks its chunk block by block, so fewer, longer chunks are a longer chain;
 # 8 against 2: 0.4-0.6% off a step at 32-64 rows, the same at 1-8: results/engine_floor_h100.md)
 SAMPLE_PER_SM = 8
-# 1: the attention's split kernel merges each row's partial softmaxes itself, the last of its programs to
-# write one doing it (_attn_partial_kernel, MERGE), instead of a combine launch after it. 0 until a GPU has
-# timed it against the combine (the A/B to run: results/engine_floor_h100.md, its last section)
-ATTN_MERGE = 0
-# 1: the LoRA B product after o and down and the add_rmsnorm after it in one launch, the last of the
-# product's programs for a row normalizing it (_lora_b_add_rmsnorm_kernel), where they were two. 0 until
-# timed, as ATTN_MERGE
-NORM_MERGE = 0
 # An eager prefill runs this many prompt tokens at a time at most (whole prompts), so that its activations
 # (a gate|up output of 16384 tokens is 1.2 GB for a 7B model) stay a small part of the memory
 PREFILL_CHUNK_TOKENS = 16384
@@ -142,14 +131,6 @@ def _attn_grid(pairs, S, sms, D, itemsize):
         split = min(split, fits)
     stages = next((s for s in (4, 3) if pairs * split <= sms * _attn_per_sm(s, D, itemsize)), 2)
     return split, stages
-
-
-class _LoraB:
-    """What Decoder.project leaves to the add_rmsnorm after it (NORM_MERGE): the GEMM's output y (M, N), the
-    LoRA A product a, the group (its B), and the state's row tickets."""
-
-    def __init__(self, y, a, grp, tickets):
-        self.y, self.a, self.grp, self.tickets = y, a, grp, tickets
 
 
 class _Group:
@@ -293,8 +274,6 @@ class _State:
         self.attn_m = torch.zeros(rows, 2 * self.attn_split, dtype=torch.float32, device=dev)
         self.attn_l = torch.zeros_like(self.attn_m)
         self.attn_acc = torch.zeros(rows, 2 * self.attn_split, D, dtype=torch.float32, device=dev)
-        self.attn_tickets = torch.zeros(N * Hkv, dtype=torch.int32, device=dev)  # (ATTN_MERGE: each launch leaves 0s)
-        self.norm_tickets = torch.zeros(N, dtype=torch.int32, device=dev)  # (NORM_MERGE: the same)
         # sampler split over the vocabulary: about SAMPLE_PER_SM programs an SM
         self.v_block = 1024
         self.v_chunk = self.v_block * math.ceil(V / max(1, math.ceil(SAMPLE_PER_SM * dec.sms / N)) / self.v_block)
@@ -410,18 +389,8 @@ class Decoder:
     # it, see gemm)
 
     def add_rmsnorm(self, x, delta, norm, order=NATURAL):
-        """x + delta (the residual stream, model dtype) and RMSNorm of it → (new x, normed). delta may be a
-        _LoraB that project left (its GEMM's output without the LoRA B product): one launch then adds the
-        product, then does the rest."""
+        """x + delta (the residual stream, model dtype) and RMSNorm of it → (new x, normed)."""
         w, eps = norm.weight, norm.eps
-        if isinstance(delta, _LoraB):
-            M, H = x.shape
-            xo, out = torch.empty_like(x), _output(M, H, order, x)
-            bn = 64 if M <= 16 else 256  # (at 1 row 56 programs over 3584 columns, at 64 rows 896)
-            _lora_b_add_rmsnorm_kernel[(M, triton.cdiv(H, bn))](
-                delta.y, delta.a, delta.grp.B, x, w, xo, out, delta.tickets, H, delta.a.shape[1], eps, R=delta.grp.R,
-                BN=bn, BLOCK=_pow2(H), K_STEP=order[0], num_warps=4, **self.pdl)
-            return xo, out
         if self.triton:
             M, H = x.shape
             xo = torch.empty_like(x) if delta is not None else x
@@ -519,17 +488,14 @@ class Decoder:
         if self.triton:
             G = Hq // Hkv
             rows = min(st.n, max(1, SHARED_HEADS // G))  # rows of a group a program takes over their prompt
+            _attn_partial_kernel[(M * Hkv, st.attn_split)](
+                q, st.k[layer], st.v[layer], *self.scales(st, layer), st.pad, st.done, st.counters, st.shared,
+                st.attn_m, st.attn_l, st.attn_acc, 1.0 / math.sqrt(D), st.S, Hkv, st.attn_m.shape[1], G=G,
+                G_PAD=max(16, _pow2(G)), D=D, BLOCK_N=64, N_GROUP=st.n, ROWS=rows, Q_PAD=max(16, _pow2(rows * G)),
+                PREC=self.prec, FP8=self.kv_fp8, num_warps=4, num_stages=st.attn_stages, **self.pdl)
             slots = st.attn_split * (2 if st.n > 1 else 1)
             out = _output(M, Hq * D, order, q)
             k_step = order[0]
-            _attn_partial_kernel[(M * Hkv, st.attn_split)](
-                q, st.k[layer], st.v[layer], *self.scales(st, layer), st.pad, st.done, st.counters, st.shared,
-                st.attn_m, st.attn_l, st.attn_acc, st.attn_tickets, out, 1.0 / math.sqrt(D), st.S, Hkv,
-                st.attn_m.shape[1], slots, G=G, G_PAD=max(16, _pow2(G)), D=D, BLOCK_N=64, N_GROUP=st.n, ROWS=rows,
-                Q_PAD=max(16, _pow2(rows * G)), MERGE=bool(ATTN_MERGE), R_PAD=_pow2(rows), NS_PAD=_pow2(slots),
-                K_STEP=k_step, PREC=self.prec, FP8=self.kv_fp8, num_warps=4, num_stages=st.attn_stages, **self.pdl)
-            if ATTN_MERGE:
-                return out
             heads = max(1, k_step // D)  # (a program stores whole k-steps)
             _attn_combine_kernel[(M * Hq // heads,)](st.attn_m, st.attn_l, st.attn_acc, out, slots,
                                                      st.attn_m.shape[1], NS_PAD=_pow2(slots), D=D, HEADS=heads,
@@ -598,15 +564,11 @@ class Decoder:
         main.wait_stream(self.side_stream)
         return y, a
 
-    def project(self, grp, x, order=NATURAL, tickets=None):
-        """A single-linear group (o, down): base GEMM + LoRA, the B product added in place. With the kernels,
-        NORM_MERGE and `tickets` (a decode step's: the add_rmsnorm that follows takes the product) the GEMM's
-        output and a = x @ A^T as a _LoraB, for add_rmsnorm."""
+    def project(self, grp, x, order=NATURAL):
+        """A single-linear group (o, down): base GEMM + LoRA, the B product added in place."""
         y, a = self.gemm(grp, x, order)
         if not grp.R:
             return y
-        if self.triton and NORM_MERGE and tickets is not None:
-            return _LoraB(y, a, grp, tickets)
         if self.triton:
             M, N = y.shape  # tiles of 16 x 64: at 64 rows of 3584 columns 224 programs, not 112 for 132 SMs
             _lora_b_kernel[(triton.cdiv(M, 16), triton.cdiv(N, 64))](y, a, grp.B, M, N, a.shape[1], R=grp.R, BM=16,
@@ -657,10 +619,10 @@ class Decoder:
             to_qkv, to_o, to_gu, to_down = st.x_orders[i]  # how each GEMM's x is stored (x_orders)
             x, h = self.add_rmsnorm(x, delta, L.ln1, to_qkv)
             q = self.rope_write(*self.gemm(L.qkv, h, to_qkv), L.qkv, st, i, terms)  # (N, Hq, D)
-            delta = self.project(L.o, self.attention(q, st, i, terms, to_o), to_o, st.norm_tickets)  # (N, H)
+            delta = self.project(L.o, self.attention(q, st, i, terms, to_o), to_o)  # (N, H)
             x, h = self.add_rmsnorm(x, delta, L.ln2, to_gu)
             act = self.silu_mul(*self.gemm(L.gu, h, to_gu), L.gu, to_down)  # (N, I)
-            delta = self.project(L.down, act, to_down, st.norm_tickets)
+            delta = self.project(L.down, act, to_down)
         _, h = self.add_rmsnorm(x, delta, m.norm)
         self.sample(m.lm_head(h), st, sp)
         st.counters.add_(1)

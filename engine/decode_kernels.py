@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from engine.fp8 import round_e4m3
-from engine.korder import k_order_place, k_ordered_tile
+from engine.korder import k_ordered_tile
 from engine.pdl import pdl_launch_next, pdl_wait
 
 
@@ -196,11 +196,9 @@ def _attn_chunk(start, end, split, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, pad_ptr, done_ptr, counters_ptr, shared_ptr, m_ptr,
-                         l_ptr, acc_ptr, tickets_ptr, out_ptr, sm_scale, S, Hkv, STRIDE, NSLOT, G: tl.constexpr,
-                         G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, N_GROUP: tl.constexpr,
-                         ROWS: tl.constexpr, Q_PAD: tl.constexpr, MERGE: tl.constexpr, R_PAD: tl.constexpr,
-                         NS_PAD: tl.constexpr, K_STEP: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr,
-                         PDL: tl.constexpr):
+                         l_ptr, acc_ptr, sm_scale, S, Hkv, STRIDE, G: tl.constexpr, G_PAD: tl.constexpr,
+                         D: tl.constexpr, BLOCK_N: tl.constexpr, N_GROUP: tl.constexpr, ROWS: tl.constexpr,
+                         Q_PAD: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
     """Program (row b, kv head h, chunk c of C): online softmax of the G query heads of h over chunk c of
     the row's own cache columns [start, col] (start = max(pad_b, shared), C chunks of whole blocks of
     BLOCK_N, as even as that allows: they follow the current column, so every program has work from
@@ -212,19 +210,11 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, pad_ptr, done_pt
     The N_GROUP rows of a group (the samples of one prompt; N_GROUP = 1: no groups) hold the same prompt
     in columns [pad, shared). Those are read from the group's first row, once for every ROWS rows: the
     program of every ROWS-th row of a group also takes slice c of them for the query heads of h of that
-    row and the ROWS - 1 after it (Q_PAD >= ROWS·G query rows, a larger tile), into slot C + c.
-
-    MERGE: no combine launch follows; the last program to write a partial of a row's kv head h merges them
-    (_attn_merge, NSLOT partials a query head). The ROWS rows whose shared prompt one program reads share a
-    ticket (an atomic count at tickets_ptr, as the mma kernel's split-K has one a tile): every program of
-    theirs takes it once, the one that read the shared prompt twice; the program that brings the count to
-    all of theirs merges every one of those rows and sets the count back to 0 for the next launch."""
+    row and the ROWS - 1 after it (Q_PAD >= ROWS·G query rows, a larger tile), into slot C + c."""
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // Hkv
     h = bh % Hkv
-    if MERGE:
-        pdl_launch_next(PDL)  # the o GEMM may start loading its weights
     pdl_wait(PDL)
     shared = tl.load(shared_ptr)
     if N_GROUP > 1:
@@ -246,50 +236,6 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, pad_ptr, done_pt
     _attn_part(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, m_ptr, l_ptr, acc_ptr, qrow, g < G,
                (b * Hkv + h).to(tl.int64) * S * D, lo, hi, qrow * STRIDE + split, sm_scale, G_PAD, D, BLOCK_N, PREC,
                FP8)
-    if MERGE:  # one ticket for the rows whose shared prompt one program reads (a row alone without groups)
-        first = b - (b % N_GROUP) % ROWS
-        n = tl.minimum(ROWS, N_GROUP - first % N_GROUP)  # (fewer at the end of a group)
-        arrivals = tl.num_programs(1) * n  # the rows' own chunks ...
-        take = 1
-        if N_GROUP > 1:
-            arrivals += tl.num_programs(1)  # ... and the shared prompt's, read by the first row's programs
-            take += (b == first).to(tl.int32)
-        tl.debug_barrier()  # every partial of this program is written before it takes its ticket
-        ticket = tickets_ptr + first * Hkv + h
-        if tl.atomic_add(ticket, take, sem="acq_rel", scope="gpu") + take == arrivals:
-            tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")  # (for the next launch)
-            i = tl.arange(0, R_PAD)
-            _attn_merge(m_ptr, l_ptr, acc_ptr, out_ptr, first + i, i < n, h, Hkv, NSLOT, STRIDE, G, NS_PAD, D,
-                        K_STEP)
-
-
-@triton.jit
-def _attn_merge(m_ptr, l_ptr, acc_ptr, out_ptr, rows, last, h, Hkv, NSLOT, STRIDE, G: tl.constexpr,
-                NS_PAD: tl.constexpr, D: tl.constexpr, K_STEP: tl.constexpr):
-    """For each row b of `rows` where `last`: its query heads of kv head h merged from their first NSLOT
-    partial softmaxes, as _attn_combine_kernel merges them, into columns (h·G + g)·D ... of row b of out (each
-    column at its place in the o GEMM's K order if K_STEP). Reads the partials from L2 (.cg: never a line
-    of this SM's L1 that another program's store made stale). An empty slot's values were not written this
-    step: they are loaded all the same, so that no load waits for the maxima, and replaced by 0s."""
-    s = tl.arange(0, NS_PAD)
-    d = tl.arange(0, D)
-    sm = last[:, None] & (s[None, :] < NSLOT)  # (R, NS_PAD)
-    for g in tl.static_range(G):
-        qrow = rows * (Hkv * G) + h * G + g
-        slot = qrow[:, None] * STRIDE + s[None, :]
-        m = tl.load(m_ptr + slot, mask=sm, other=float("-inf"), cache_modifier=".cg")
-        den = tl.load(l_ptr + slot, mask=sm, other=0.0, cache_modifier=".cg")
-        acc = tl.load(acc_ptr + slot[:, :, None] * D + d[None, None, :], mask=sm[:, :, None], other=0.0,
-                      cache_modifier=".cg")  # (R, NS_PAD, D)
-        w = tl.where(m > float("-inf"), tl.exp(m - tl.max(m, 1)[:, None]), 0.0)
-        den = tl.sum(den * w, 1)
-        acc = tl.where((m > float("-inf"))[:, :, None], acc, 0.0)
-        o = tl.sum(acc * w[:, :, None], 1) / tl.maximum(den, 1e-30)[:, None]  # (R, D)
-        col = (h * G + g) * D + d
-        if K_STEP:
-            col = col - col % K_STEP + k_order_place(col % K_STEP, K_STEP)
-        tl.store(out_ptr + rows[:, None] * (Hkv * G * D) + col[None, :], o.to(out_ptr.dtype.element_ty),
-                 mask=last[:, None])
 
 
 @triton.jit
@@ -370,45 +316,6 @@ def _lora_b_kernel(y_ptr, a_ptr, b_ptr, M, N, A_STRIDE, R: tl.constexpr, BM: tl.
     y = tl.load(y_ptr + rows[:, None] * N + cols[None, :], mask=mk, other=0.0).to(tl.float32)
     y += tl.dot(a, b, input_precision=PREC)
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mk)
-
-
-@triton.jit
-def _lora_b_add_rmsnorm_kernel(y_ptr, a_ptr, b_ptr, x_ptr, w_ptr, xout_ptr, out_ptr, tickets_ptr, N, A_STRIDE, eps,
-                               R: tl.constexpr, BN: tl.constexpr, BLOCK: tl.constexpr, K_STEP: tl.constexpr,
-                               PDL: tl.constexpr):
-    """Program (row m, columns j·BN ...): a single-linear group's LoRA B product added to its GEMM's output y
-    in place (a[m] (R,) times B's rows (BN, R), in fp32, rounded once to y's dtype, as _lora_b_kernel); then
-    the last of the row's programs to arrive (a ticket on tickets_ptr[m], as the mma kernel's split-K) does
-    _add_rmsnorm_kernel's work for the row: x + y, and its RMSNorm (in the next GEMM's K order if K_STEP).
-    The add_rmsnorm after o and down without a launch of its own."""
-    m = tl.program_id(0)
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)
-    cm = cols < N
-    r = tl.arange(0, R)
-    offs = tl.arange(0, BLOCK)
-    full = offs < N
-    pdl_launch_next(PDL)  # the GEMM after this one may start loading its weights
-    # (no kernel of the step writes B or the norm's weight: loaded before the wait)
-    b = tl.load(b_ptr + cols[:, None] * R + r[None, :], mask=cm[:, None], other=0.0).to(tl.float32)  # (BN, R)
-    w = tl.load(w_ptr + offs, mask=full, other=0.0)
-    pdl_wait(PDL)
-    a = tl.load(a_ptr + m * A_STRIDE + r).to(tl.float32)
-    y = tl.load(y_ptr + m * N + cols, mask=cm, other=0.0).to(tl.float32) + tl.sum(b * a[None, :], 1)
-    tl.store(y_ptr + m * N + cols, y.to(y_ptr.dtype.element_ty), mask=cm)
-    tl.debug_barrier()  # every thread's columns are written before the ticket is taken
-    if tl.atomic_add(tickets_ptr + m, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:
-        tl.atomic_xchg(tickets_ptr + m, 0, sem="relaxed", scope="gpu")  # (for the next launch)
-        dx = tl.load(y_ptr + m * N + offs, mask=full, other=0.0, cache_modifier=".cg")  # (.cg: the other
-        # programs' columns from L2, never a stale line of this SM's L1)
-        x = tl.load(x_ptr + m * N + offs, mask=full, other=0.0)
-        x = (x.to(tl.float32) + dx.to(tl.float32)).to(xout_ptr.dtype.element_ty)
-        tl.store(xout_ptr + m * N + offs, x, mask=full)
-        xf = x.to(tl.float32)
-        var = tl.sum(xf * xf, axis=0) / N
-        h = (xf * tl.rsqrt(var + eps) * w).to(out_ptr.dtype.element_ty)
-        if K_STEP:  # (N a multiple of K_STEP: the padding past N stays past N)
-            h = tl.reshape(k_ordered_tile(tl.reshape(h, (1, BLOCK)), 1, BLOCK, K_STEP), (BLOCK,))
-        tl.store(out_ptr + m * N + offs, h, mask=full)
 
 
 @triton.jit

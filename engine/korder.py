@@ -6,8 +6,10 @@ must follow the same permutation of K (`wgmma_k_order`). `k_ordered` permutes x 
 the GEMM; a caller whose own kernel produces x (rollout's decode step) can store it permuted
 (`k_ordered_tile`) and call `fp4_linear_k_ordered`, which skips that launch (`x_k_order` says when).
 Tested against: torch indexing with `wgmma_k_order` (tests/engine/test_korder.py, which also checks what
-fp4_linear_k_ordered refuses); on a GPU only end to end, the logprobs of a decode whose kernels store x
-in K order against the model's full forward (tests/engine/test_decode.py::test_gpu_nvfp4_lora_decode_in_bf16).
+fp4_linear_k_ordered refuses); the decode's kernels that store x in K order, on the CPU with the GEMM given x
+back in natural order (tests/engine/test_decode.py::test_kernels_store_their_outputs_in_the_next_gemms_k_order),
+and on a GPU end to end, the logprobs of such a decode against the model's full forward
+(tests/engine/test_decode.py::test_gpu_nvfp4_lora_decode_in_bf16).
 Measurements: results/rollout_h200.md, results/fp4_gemm_h200.md.
 """
 import torch
@@ -72,16 +74,6 @@ def k_ordered_tile(v, R: tl.constexpr, C: tl.constexpr, BK: tl.constexpr):
     v = tl.flip(tl.reshape(v, (R, C // BK, 4, BK // 32, 2, 4)), 5)  # (row, step, t, j, h, 2a + b)
     v = tl.permute(tl.reshape(v, (R, C // BK, 4, BK // 32, 2, 2, 2)), (0, 1, 3, 5, 6, 2, 4))  # (.., j, a, b, t, h)
     return tl.reshape(v, (R, C))
-
-
-@triton.jit
-def k_order_place(p, BK: tl.constexpr):
-    """Where column p (0 <= p < BK) of a k-step goes in the wgmma kernel's K order: the column i whose
-    wgmma_k_order is p. The inverse of k_ordered_tile's move, for a kernel that stores x in pieces that are
-    not whole k-steps (a scattered store): p = (BK/4) t + 8 j + 4 h + r goes to 16 (2 j + a) + 8 b + 2 t + h
-    with 2 a + b = 3 - r."""
-    t, j, h, r = p // (BK // 4), (p % (BK // 4)) // 8, (p // 4) % 2, p % 4
-    return 16 * (2 * j + (3 - r) // 2) + 8 * ((3 - r) % 2) + 2 * t + h
 
 
 def _x_rows(M, plan):

@@ -146,39 +146,11 @@ def test_attention_chunks_follow_the_current_column(hf_folder):
 
 @interpreted
 @pytest.mark.filterwarnings("ignore:invalid value encountered in subtract:RuntimeWarning")
-@pytest.mark.parametrize("kv_cache", ["model", "fp8"])
-def test_merged_launches_sample_as_the_plain_sampler(hf_folder, monkeypatch, kv_cache):
-    """ATTN_MERGE and NORM_MERGE (the attention's chunks merged by the last of them, LoRA B and the
-    add_rmsnorm after it in one launch): the plain sampler's rollout, with groups of 3 samples that share
-    their prompts (a ticket for the rows a shared-prompt program serves: 3 of them here), rows that stop and
-    move to smaller states, one chunk a row (12 rows on the interpreter's 4 "SMs") and three (3 rows of a
-    prompt of 130 tokens), in the model's
-    dtype and in the FP8 cache (logprobs within 5e-3 there, as test_fp8_cache_equals_the_plain_samplers says)."""
-    monkeypatch.setattr(decode, "ATTN_MERGE", 1)
-    monkeypatch.setattr(decode, "NORM_MERGE", 1)
-    _, model = load(hf_folder, seed=12)
-    for lengths in ([3, 6, 2, 5], [130]):
-        prompts = prompts_of(lengths, 97, seed=13)
-        kw = dict(n=3, max_new_tokens=30, temperature=1.3, stop_ids=set(range(3, 97, 9)), seed=5, kv_cache=kv_cache)
-        plain = rollout.generate(model, prompts, kernels="torch", **kw)
-        got = decode.generate(model, prompts, kernels="triton", **kw)
-        assert got.stats["shrinks"]
-        assert_same_rollout(got, plain, atol=1e-4 if kv_cache == "model" else 5e-3)
-    assert sorted(st.attn_split for st in decode.decoder_of(model).states.values()) == [1, 3]
-
-
-@interpreted
-@pytest.mark.filterwarnings("ignore:invalid value encountered in subtract:RuntimeWarning")
-@pytest.mark.parametrize("merge", [0, 1])
-def test_kernels_store_their_outputs_in_the_next_gemms_k_order(hf_folder, monkeypatch, merge):
+def test_kernels_store_their_outputs_in_the_next_gemms_k_order(hf_folder, monkeypatch):
     """Where a GEMM reads x in its K order (on the GPU from a few tens of rows), the op before stores its
-    output so: here that order asked of the ops before q|k|v, o and gate|up on the CPU (k-steps of 64
-    columns), and each GEMM given its x back in natural order. The same rollout as without the order, with
-    the merges in one launch (merge 1: ATTN_MERGE, where a kv head's 3 query heads of 32 columns, 96, make
-    stores that cross k-steps, and NORM_MERGE) and in launches of their own (0); groups of 3 samples share
-    their prompts."""
-    monkeypatch.setattr(decode, "ATTN_MERGE", merge)
-    monkeypatch.setattr(decode, "NORM_MERGE", merge)
+    output so: here that order asked of the ops before q|k|v, o and gate|up (add_rmsnorm, the attention's
+    combine) on the CPU, in k-steps of 64 columns, and each GEMM given its x back in natural order. The same
+    rollout as without the order; groups of 3 samples share their prompts."""
     _, model = load(hf_folder, seed=8, hidden_size=192, num_attention_heads=6, num_key_value_heads=2)
     prompts = prompts_of([5, 9], 97, seed=8)
     kw = dict(n=3, max_new_tokens=6, temperature=0.0, kernels="triton")

@@ -4,8 +4,6 @@ that order themselves.
 """
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 import fp4_gemm
 import nvfp4
@@ -24,21 +22,6 @@ def test_k_ordered_kernel_is_wgmma_k_order(M, K, bk, dtype, strided, poisoned):
     x = x[:, ::2] if strided else x[:, :K]
     got = korder.k_ordered(x, bk)
     assert torch.equal(got, x.index_select(1, korder.wgmma_k_order(K, bk, x.device)))
-
-
-@triton.jit
-def _place_kernel(out_ptr, K, BK: tl.constexpr, BLOCK: tl.constexpr):
-    k = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(out_ptr + k - k % BK + korder.k_order_place(k % BK, BK), k, mask=k < K)
-
-
-@pytest.mark.parametrize("K,bk", [(128, 64), (768, 256), (384, 128)])
-def test_a_column_placed_one_at_a_time_lands_in_k_order(K, bk):
-    """k_order_place (for kernels whose stores are not whole k-steps) puts column k where wgmma_k_order says
-    column k goes: a kernel writing each column's own index at its place writes wgmma_k_order."""
-    out = torch.full((K,), -1, dtype=torch.int64, device=DEV)
-    _place_kernel[(K // 64,)](out, K, BK=bk, BLOCK=64)
-    assert torch.equal(out, korder.wgmma_k_order(K, bk, out.device))
 
 
 def test_x_in_k_order_needs_the_warp_specialized_kernel():
