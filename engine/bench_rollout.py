@@ -386,7 +386,7 @@ def _timeline(model, batch, prompt_len, new_tokens=48, n=1, **kw):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         generate(model, prompts, **kw)
         torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as d:
+    with tempfile.TemporaryDirectory() as d:  # (the Chrome trace, not prof.events(): it holds each kernel's grid)
         prof.export_chrome_trace(os.path.join(d, "trace.json"))
         with open(os.path.join(d, "trace.json")) as f:
             ev = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
@@ -402,6 +402,17 @@ def _timeline(model, batch, prompt_len, new_tokens=48, n=1, **kw):
     for k, us in sorted(shares.items(), key=lambda kv: -kv[1]):
         lines.append(f"    {k:<50} {us / steps:8.1f} us  ({launches[k] / steps:.0f})")
     return lines
+
+
+def _diagnose(notes, prefix, what, make):
+    """Print and keep in `notes` the text make() returns (a --timeline or --profile run), or the error it
+    raised: a diagnostic that fails leaves the benchmark's table standing."""
+    try:
+        line = f"{prefix} " + make()
+    except Exception as e:
+        line = f"{prefix} {what} failed: {type(e).__name__}: {e}"
+    print(line, flush=True)
+    notes.append(line)
 
 
 def bench(args):
@@ -490,23 +501,13 @@ def bench(args):
                         f"step, rows {on['shrinks']}): {on['tok_s'] / off['tok_s']:.2f}x the tok/s")
                 print(line, flush=True)
                 notes.append(line)
-            for b in (args.timeline if (size, quant) == ("7b", "nvfp4") else []):
-                try:
-                    line = f"{size} {quant} " + "\n".join(_timeline(model, b, args.prompt_len, n=8 if b % 8 == 0 else 1,
-                                                                     **asked))
-                except Exception as e:
-                    line = f"{size} {quant} timeline failed: {type(e).__name__}: {e}"
-                print(line, flush=True)
-                notes.append(line)
-            if args.profile and (size, quant) == ("7b", "nvfp4"):
+            if (size, quant) == ("7b", "nvfp4"):
+                for b in args.timeline:
+                    _diagnose(notes, f"{size} {quant}", "timeline", lambda: "\n".join(
+                        _timeline(model, b, args.prompt_len, n=8 if b % 8 == 0 else 1, **asked)))
                 for b in args.profile:
-                    try:
-                        line = f"{size} {quant} " + _profile(model, b, args.prompt_len, copy_tb_s=copy_tb_s,
-                                                             kv_cache=args.kv_cache)
-                    except Exception as e:
-                        line = f"{size} {quant} profile failed: {type(e).__name__}: {e}"
-                    print(line, flush=True)
-                    notes.append(line)
+                    _diagnose(notes, f"{size} {quant}", "profile", lambda: _profile(
+                        model, b, args.prompt_len, copy_tb_s=copy_tb_s, kv_cache=args.kv_cache))
         release(model)
         del model
     print(_table(rows))

@@ -178,3 +178,17 @@ def test_timeline_shares_add_up_to_the_stretch():
     assert shares == {bench_rollout.K_ORDER: 1.0, "fp4 gemm _wgmma_kernel grid (56, 1, 8)": 3.0} and idle == 0.0
     assert bench_rollout.timeline_shares([ev[1]], 1.0, 5.0) == ({bench_rollout.CUBLAS: 4.0}, 0.0)
     assert bench_rollout.timeline_shares(ev, 318.0, 319.5) == ({}, 1.5)
+
+
+def test_a_diagnostic_that_fails_leaves_a_note_not_an_error(capsys):
+    """--timeline and --profile runs go through _diagnose: their text, or the error they raised, is printed and
+    kept among the benchmark's notes, and the benchmark goes on."""
+    notes = []
+    bench_rollout._diagnose(notes, "7b nvfp4", "timeline", lambda: "timeline batch 1: 2660 us a step")
+
+    def broken():
+        raise RuntimeError("no CUPTI")
+
+    bench_rollout._diagnose(notes, "7b nvfp4", "profile", broken)
+    assert notes == ["7b nvfp4 timeline batch 1: 2660 us a step", "7b nvfp4 profile failed: RuntimeError: no CUPTI"]
+    assert capsys.readouterr().out.splitlines() == notes
