@@ -469,6 +469,27 @@ def test_gpu_graphs_and_kernels_match_the_plain_sampler(hf_folder):
         assert (fast.logprobs[i, : len(comp)].double() - lp).abs().max() <= 1e-3
 
 
+@gpu
+def test_gpu_sampler_over_vocabulary_chunks(hf_folder):
+    """The compiled sampler where a row's vocabulary is several chunks (2,500 tokens: three blocks of 1,024, at
+    least two chunks on any GPU), graphed, fp32: the same draws as rollout.py's sampler with the same seed (as
+    in the test above, a near-tie under TF32 may flip one), and each drawn token's logprob that of one full
+    forward, so the chunks' logsumexp and best candidate are merged right."""
+    _, folder = hf_folder("qwen2", seed=21, **{**CFG, "vocab_size": 2500})
+    model = M.Transformer.from_pretrained(folder, dtype=torch.float32, device="cuda")
+    prompts = prompts_of([9, 17], 2500, seed=4)
+    kw = dict(n=2, max_new_tokens=24, temperature=1.1, top_p=1.0, seed=6, stop_ids=())
+    ref = rollout.generate(model, prompts, kernels="torch", graphs=False, **kw)
+    fast = rollout.generate(model, prompts, **kw)
+    st = next(iter(decode.decoder_of(model).states.values()))
+    assert fast.stats["graphs"] and st.v_split >= 2
+    assert (fast.tokens == ref.tokens).all(1).float().mean() >= 0.75
+    for i, comp in rows(fast):
+        z = full_forward_z(model, prompts[i // 2], comp, 1.1)
+        lp = torch.log_softmax(z, -1).gather(1, torch.tensor(comp, device=z.device)[:, None])[:, 0]
+        assert (fast.logprobs[i, : len(comp)].double() - lp).abs().max() <= 1e-3
+
+
 def gpu_lora_model(hf_folder, seed, quantize=True):
     """A small bf16 model (NVFP4 base unless quantize=False) on the GPU with rank-8 LoRA on every
     projection, B nonzero."""
