@@ -140,12 +140,12 @@ def _candidates(M, N, K, direction):
                 if K % bk == 0:
                     for split in (1, 2, 4, 8, 16):
                         c.append(dict(kernel="wgmma", BT=bt, BLOCK_K=bk, SPLIT_K=split))
-    # the warp-specialized wgmma: rings of 2 or 4 stages, one to three consumer warpgroups (not at 1-8 rows,
+    # the warp-specialized wgmma: rings of 2 to 4 stages, one to three consumer warpgroups (not at 1-8 rows,
     # where it lost to the mma kernel and to the plain wgmma kernel: results/fp4_gemm_h200.md)
     if K % 256 == 0 and 8 < M <= 256:
         for bt in [_wgmma_rows_of_x(min(M, 64), N, K)] + ([128] if M > 64 else []):
             for nwg in (1, 2, 3):
-                for stages in (2, 4):
+                for stages in (2, 3, 4):
                     tiles = dict(kernel="wgmma", BT=bt, BLOCK_K=256, STAGES=stages, NWG=nwg)
                     if _ws_ring_bytes(tiles) <= 220 * 1024:
                         c += [dict(tiles, SPLIT_K=s) for s in (1, 2, 3, 4, 8) + ((16,) if K >= 8192 else ())]

@@ -42,7 +42,8 @@ def report(name, cubin):
         inner = not any(lo < l2 and h2 <= hi and (l2, h2) != (lo, hi) for l2, h2 in back)
         if inner and any("MMA" in t for t in body):
             kinds = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
-            print(f"  loop of {len(body)} instructions a warp: " + ", ".join(f"{k} {v}" for k, v in kinds.most_common()))
+            counts = ", ".join(f"{k} {v}" for k, v in kinds.most_common())
+            print(f"  loop of {len(body)} instructions a warp: {counts}")
 
 
 def compile_triton(kernel, types, constexprs):

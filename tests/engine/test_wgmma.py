@@ -62,8 +62,8 @@ def test_gpu_wgmma_against_float64(dtype, poisoned):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_wgmma_ws_against_float64(dtype, poisoned):
     """The warp-specialized wgmma kernel (a producer warp filling a ring by TMA; STAGES in the plan)
-    against float64: 8-row tiles from one row of x, rings shallower and deeper than the k-steps, uneven
-    split-K, two or three consumer warpgroups (three: 192 weight rows a tile) with rows past N, bias,
+    against float64: 8-row tiles from one row of x, rings of 2 to 6 stages, shallower and deeper than the
+    k-steps, uneven split-K, two or three consumer warpgroups (three: 192 weight rows a tile) with rows past N, bias,
     per-row global scales; equal bit for bit to the kernel without the producer on the same tiles (same
     slices, same order), and deterministic, with the counters back at zero; codes that TMA cannot read
     fall back to that kernel; replayed inside a CUDA graph. Then plans that split only the tiles after
@@ -74,7 +74,7 @@ def test_gpu_wgmma_ws_against_float64(dtype, poisoned):
             (17, 2816, 264, 32, 5, 2, 1, False, True), (64, 1536, 200, 64, 4, 4, 2, True, False),
             (100, 2048, 520, 128, 2, 2, 1, True, True), (130, 3584, 72, 64, 8, 2, 2, False, False),
             (64, 2304, 520, 64, 3, 2, 3, True, True), (20, 1024, 300, 32, 1, 2, 3, False, False),
-            (70, 1536, 600, 128, 2, 2, 3, True, False)):
+            (70, 1536, 600, 128, 2, 2, 3, True, False), (64, 3584, 600, 64, 2, 3, 3, False, True)):
         q = make_q(N, K, per_row, seed=M + K)
         x = torch.randn(M, K, dtype=dtype, device=DEV)
         b = torch.randn(N, dtype=dtype, device=DEV) if bias else None
@@ -230,9 +230,10 @@ def test_plain_kernel_compiles_for_hopper(bt, bk, split, f16):
 @offline_gluon
 @pytest.mark.parametrize("bt,stages,nwg,split,whole,persist,stream", [
     (8, 4, 1, 4, False, False, False), (16, 2, 2, 2, True, False, False), (32, 2, 3, 2, True, False, False),
-    (64, 2, 1, 3, False, False, False), (128, 2, 3, 1, False, True, True), (128, 2, 2, 1, False, True, False)])
+    (64, 2, 1, 3, False, False, False), (64, 3, 3, 2, True, False, False), (128, 2, 3, 1, False, True, True),
+    (128, 2, 2, 1, False, True, False)])
 def test_warp_specialized_kernel_compiles_for_hopper(bt, stages, nwg, split, whole, persist, stream):
-    """_wgmma_ws_kernel in the plan's shapes (one to three consumer warpgroups, rings of 2 and 4, split,
+    """_wgmma_ws_kernel in the plan's shapes and the sweep's (one to three consumer warpgroups, rings of 2 to 4, split,
     WHOLE, persistent, stream-K), compiled for sm_90a without a GPU with the launch's registers
     (_ws_maxnreg, _ws_consumer_regs): the producer's TMA copies and the ring's barriers are in its PTX, and
     the partitions trade registers (setmaxnreg)."""
