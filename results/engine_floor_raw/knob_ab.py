@@ -1,7 +1,8 @@
 """Throwaway A/B (results/engine_floor_h100.md, its last sections): one module-level setting of the engine, e.g.
 decode.SAMPLE_PER_SM, at several values in one process. Forced-length steps with 8 rows a prompt (1 row: its own
 prompt), and the RL step's early-stop rollout (8 prompts x 8, prompt 256, up to 1024 tokens, at the paired
-temperature), alternating rounds; first, each value's sampled rollout against the first value's (same seed).
+temperature), alternating rounds; first, each value's sampled rollout against the first value's (same seed): the
+tokens, and the logprobs on each row's common prefix (before its first differing draw).
 
     PYTHONPATH=. python results/engine_floor_raw/knob_ab.py decode.SAMPLE_PER_SM 2 8 16 --json ab.json
     PYTHONPATH=. python results/engine_floor_raw/knob_ab.py decode.ATTN_MERGE,decode.NORM_MERGE 0,0 1,0 1,1
@@ -55,8 +56,16 @@ with aqn.noise(model, 1e-2, torch.Generator(dev).manual_seed(0)):
         ref = r if ref is None else ref
         same = (r.tokens == ref.tokens).float().mean().item()
         d = (r.logprobs - ref.logprobs).abs().max().item()
-        print(f"  check {v}: tokens equal {same:.3f}, max |dlogprob| {d:.2e}", flush=True)
-        rows.append(dict(kind="check", value=v, same=same, dlp=d))
+        # a row's draws agree until the logits differ enough to flip one (the Gumbel noise is the same, a hash of
+        # row, step and token): the logprobs on each row's common prefix are what tells rounding from a fault
+        differ = r.tokens != ref.tokens
+        T = differ.shape[1]
+        prefix = torch.where(differ.any(1), differ.int().argmax(1), torch.full_like(differ[:, 0], T, dtype=torch.long))
+        on = torch.arange(T, device=prefix.device)[None, :] < prefix[:, None]
+        dp = (r.logprobs - ref.logprobs).abs()[on].max().item() if on.any() else 0.0
+        print(f"  check {v}: tokens equal {same:.3f}, max |dlogprob| {d:.2e}; common prefixes "
+              f"{prefix.float().mean():.1f} tokens a row on average, max |dlogprob| there {dp:.2e}", flush=True)
+        rows.append(dict(kind="check", value=v, same=same, dlp=d, prefix=prefix.float().mean().item(), dlp_prefix=dp))
     for rnd in range(a.rounds):
         for v in (a.values if rnd % 2 == 0 else a.values[::-1]):
             release(model)
