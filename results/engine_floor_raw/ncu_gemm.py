@@ -2,7 +2,7 @@
 with the kernel and config the plan picks, at a few row counts, for Nsight Compute to see what each waits on.
 Every (layer, rows) runs twice; the second launch is the one to read (the first compiles). The order is printed.
 
-    PYTHONPATH=. ncu -k regex:"_mma_kernel|_wgmma_kernel" --section SpeedOfLight --section Occupancy \
+    PYTHONPATH=. ncu -k regex:"_mma_kernel|_wgmma" --section SpeedOfLight --section Occupancy \
         --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
         python results/engine_floor_raw/ncu_gemm.py 1 64
 """
