@@ -34,5 +34,11 @@ def full_forward_z(model, prompt, completion, temperature):
     return logits[len(prompt) - 1: len(prompt) - 1 + len(completion)] / (temperature or 1.0)
 
 
+def full_forward_logprobs(model, prompt, completion, temperature):
+    """The log-probability of each completion token at temperature T, from one plain forward (full_forward_z)."""
+    z = full_forward_z(model, prompt, completion, temperature)
+    return torch.log_softmax(z, -1).gather(1, torch.tensor(completion, device=z.device)[:, None])[:, 0]
+
+
 def rows(r):
     return [(i, r.tokens[i, : int(r.lengths[i])].tolist()) for i in range(r.tokens.shape[0])]

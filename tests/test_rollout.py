@@ -14,7 +14,7 @@ import torch
 import aqn
 import model as M
 import rollout
-from rollout_ref import CFG, full_forward_z, load, prompts_of, rows
+from rollout_ref import CFG, full_forward_logprobs, full_forward_z, load, prompts_of, rows
 
 
 @pytest.mark.parametrize("quantize", [False, True])
@@ -27,8 +27,7 @@ def test_logprobs_equal_full_forward(hf_folder, quantize):
                              stop_ids=(3, 11, 50), seed=5, kernels="torch")
         assert r.tokens.shape[0] == len(prompts) * n and r.prompt_index.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
         for i, comp in rows(r):
-            z = full_forward_z(model, prompts[i // n], comp, T)
-            ref = torch.log_softmax(z, -1).gather(1, torch.tensor(comp)[:, None])[:, 0]
+            ref = full_forward_logprobs(model, prompts[i // n], comp, T)
             assert (r.logprobs[i, : len(comp)].double() - ref).abs().max() <= 1e-4
             assert (r.logprobs[i, len(comp):] == 0).all() and (r.tokens[i, len(comp):] == 0).all()
     assert r.stats["kernels"] == "torch" and r.stats["prefill_rows"] == len(prompts)
@@ -44,8 +43,7 @@ def test_odd_shapes(hf_folder):
         r = rollout.generate(model, prompts, n=2, max_new_tokens=new, temperature=1.1, top_k=7, seed=1)
         assert r.tokens.shape == (6, new) and r.finish == ["length"] * 6
         for i, comp in rows(r):
-            z = full_forward_z(model, prompts[i // 2], comp, 1.1)
-            ref = torch.log_softmax(z, -1).gather(1, torch.tensor(comp)[:, None])[:, 0]
+            ref = full_forward_logprobs(model, prompts[i // 2], comp, 1.1)
             assert (r.logprobs[i, : len(comp)].double() - ref).abs().max() <= 1e-4
 
 

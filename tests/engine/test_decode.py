@@ -15,7 +15,7 @@ import model as M
 import rollout
 from engine import decode, pdl
 from engine.korder import wgmma_k_order
-from rollout_ref import CFG, full_forward_z, load, prompts_of, rows
+from rollout_ref import CFG, full_forward_logprobs, load, prompts_of, rows
 
 interpreted = pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="the kernels on the CPU need Triton's interpreter (TRITON_INTERPRET=1)")
@@ -83,8 +83,7 @@ def test_logprobs_equal_full_forward(hf_folder):
         r = rollout.generate(model, prompts, n=n, max_new_tokens=7, temperature=T, top_p=0.9,
                              stop_ids=(3, 11, 50), seed=5, kernels="triton")
         for i, comp in rows(r):
-            z = full_forward_z(model, prompts[i // n], comp, T)
-            ref = torch.log_softmax(z, -1).gather(1, torch.tensor(comp)[:, None])[:, 0]
+            ref = full_forward_logprobs(model, prompts[i // n], comp, T)
             assert (r.logprobs[i, : len(comp)].double() - ref).abs().max() <= 1e-4
     assert r.stats["kernels"] == "triton" and r.stats["prefill_rows"] == len(prompts)
 
@@ -464,8 +463,7 @@ def test_gpu_graphs_and_kernels_match_the_plain_sampler(hf_folder):
     same = (fast.tokens == ref.tokens).all(1).float().mean()
     assert same >= 0.8  # fp32 everywhere, TF32 in the kernels' tl.dot: a rare near-tie may flip one draw
     for i, comp in rows(fast):
-        z = full_forward_z(model, prompts[i // 3], comp, 0.9)
-        lp = torch.log_softmax(z, -1).gather(1, torch.tensor(comp, device=z.device)[:, None])[:, 0]
+        lp = full_forward_logprobs(model, prompts[i // 3], comp, 0.9)
         assert (fast.logprobs[i, : len(comp)].double() - lp).abs().max() <= 1e-3
 
 
@@ -485,8 +483,7 @@ def test_gpu_sampler_over_vocabulary_chunks(hf_folder):
     assert fast.stats["graphs"] and st.v_split >= 2
     assert (fast.tokens == ref.tokens).all(1).float().mean() >= 0.75
     for i, comp in rows(fast):
-        z = full_forward_z(model, prompts[i // 2], comp, 1.1)
-        lp = torch.log_softmax(z, -1).gather(1, torch.tensor(comp, device=z.device)[:, None])[:, 0]
+        lp = full_forward_logprobs(model, prompts[i // 2], comp, 1.1)
         assert (fast.logprobs[i, : len(comp)].double() - lp).abs().max() <= 1e-3
 
 
@@ -508,10 +505,9 @@ def error_and_adapter_effect(model, prompts, n, r):
     the mean |change| of those full-forward logprobs when the adapters are switched off."""
     err, effect = [], []
     for i, comp in rows(r):
-        idx = torch.tensor(comp, device="cuda")[:, None]
-        lp = torch.log_softmax(full_forward_z(model, prompts[i // n], comp, 1.0), -1).gather(1, idx)[:, 0]
+        lp = full_forward_logprobs(model, prompts[i // n], comp, 1.0)
         with lora.disable_adapters(model):
-            lp0 = torch.log_softmax(full_forward_z(model, prompts[i // n], comp, 1.0), -1).gather(1, idx)[:, 0]
+            lp0 = full_forward_logprobs(model, prompts[i // n], comp, 1.0)
         err.append((r.logprobs[i, : len(comp)].double() - lp).abs())
         effect.append((lp0 - lp).abs())
     return torch.cat(err).mean().item(), torch.cat(effect).mean().item()
