@@ -488,7 +488,7 @@ class Decoder:
         if self.triton:
             G = Hq // Hkv
             rows = min(st.n, max(1, SHARED_HEADS // G))  # rows of a group a program takes over their prompt
-            _attn_partial_kernel[(M * Hkv, st.attn_split)](
+            _attn_partial_kernel[(st.attn_split, M * Hkv)](
                 q, st.k[layer], st.v[layer], *self.scales(st, layer), st.pad, st.done, st.counters, st.shared,
                 st.attn_m, st.attn_l, st.attn_acc, 1.0 / math.sqrt(D), st.S, Hkv, st.attn_m.shape[1], G=G,
                 G_PAD=max(16, _pow2(G)), D=D, BLOCK_N=64, N_GROUP=st.n, ROWS=rows, Q_PAD=max(16, _pow2(rows * G)),

@@ -187,11 +187,30 @@ def _attn_part(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, m_ptr, l_ptr, acc_ptr, qro
 
 @triton.jit
 def _attn_chunk(start, end, split, BLOCK_N: tl.constexpr):
-    """Columns [lo, hi) of chunk `split` of num_programs(1) over [start, end): whole blocks of BLOCK_N,
+    """Columns [lo, hi) of chunk `split` of num_programs(0) over [start, end): whole blocks of BLOCK_N,
     as even as that allows (the last chunks may be short or empty)."""
-    per = tl.cdiv(tl.cdiv(end - start, tl.num_programs(1)), BLOCK_N) * BLOCK_N
+    per = tl.cdiv(tl.cdiv(end - start, tl.num_programs(0)), BLOCK_N) * BLOCK_N
     lo = start + split * per
     return lo, tl.minimum(lo + per, end)
+
+
+@triton.jit
+def _attn_row(r, M, N_GROUP: tl.constexpr, ROWS: tl.constexpr):
+    """The row that the r-th of the M rows in launch order stands for. With groups (N_GROUP > 1, M a
+    multiple of it), the rows whose programs also read their group's shared prompt (every ROWS-th row of
+    a group: HP a group) come first, group after group, then the other rows in order: the GPU starts
+    blocks in launch order, so the longer programs start in its first wave and the short ones fill in
+    around them (at 64 rows, 8 a prompt: 512 programs, two waves; in the plain order some of the long
+    ones ran in the second, and the step took 1.8% longer: results/engine_floor_h100.md)."""
+    b = r
+    if N_GROUP > 1:
+        HP: tl.constexpr = (N_GROUP + ROWS - 1) // ROWS
+        OTHERS: tl.constexpr = N_GROUP - HP if N_GROUP > HP else 1  # (ROWS = 1: every row reads the prompt)
+        RL: tl.constexpr = ROWS - 1 if ROWS > 1 else 1
+        heavy = M // N_GROUP * HP
+        k = (r - heavy) % OTHERS  # the k-th other row of a group is row k + k // (ROWS - 1) + 1 of it
+        b = tl.where(r < heavy, r // HP * N_GROUP + r % HP * ROWS, (r - heavy) // OTHERS * N_GROUP + k + k // RL + 1)
+    return b
 
 
 @triton.jit
@@ -199,7 +218,7 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, pad_ptr, done_pt
                          l_ptr, acc_ptr, sm_scale, S, Hkv, STRIDE, G: tl.constexpr, G_PAD: tl.constexpr,
                          D: tl.constexpr, BLOCK_N: tl.constexpr, N_GROUP: tl.constexpr, ROWS: tl.constexpr,
                          Q_PAD: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
-    """Program (row b, kv head h, chunk c of C): online softmax of the G query heads of h over chunk c of
+    """Program (chunk c of C, row b · kv head h): online softmax of the G query heads of h over chunk c of
     the row's own cache columns [start, col] (start = max(pad_b, shared), C chunks of whole blocks of
     BLOCK_N, as even as that allows: they follow the current column, so every program has work from
     the first step to the last); writes its partial max, sum and weighted values to slot c of each
@@ -210,11 +229,11 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, pad_ptr, done_pt
     The N_GROUP rows of a group (the samples of one prompt; N_GROUP = 1: no groups) hold the same prompt
     in columns [pad, shared). Those are read from the group's first row, once for every ROWS rows: the
     program of every ROWS-th row of a group also takes slice c of them for the query heads of h of that
-    row and the ROWS - 1 after it (Q_PAD >= ROWS·G query rows, a larger tile), into slot C + c."""
-    bh = tl.program_id(0)
-    split = tl.program_id(1)
-    b = bh // Hkv
-    h = bh % Hkv
+    row and the ROWS - 1 after it (Q_PAD >= ROWS·G query rows, a larger tile), into slot C + c. Those
+    programs launch first (_attn_row); each program's work does not depend on its place."""
+    split = tl.program_id(0)
+    h = tl.program_id(1) % Hkv
+    b = _attn_row(tl.program_id(1) // Hkv, tl.num_programs(1) // Hkv, N_GROUP, ROWS)
     pdl_wait(PDL)
     shared = tl.load(shared_ptr)
     if N_GROUP > 1:
@@ -227,7 +246,7 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, pad_ptr, done_pt
             qrow = (b + i) * (Hkv * G) + h * G + j % G
             ok = (j < ROWS * G) & (b % N_GROUP + i < N_GROUP)
             _attn_part(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, m_ptr, l_ptr, acc_ptr, qrow, ok,
-                       (first * Hkv + h).to(tl.int64) * S * D, lo, hi, qrow * STRIDE + tl.num_programs(1) + split,
+                       (first * Hkv + h).to(tl.int64) * S * D, lo, hi, qrow * STRIDE + tl.num_programs(0) + split,
                        sm_scale, Q_PAD, D, BLOCK_N, PREC, FP8)
     lo, hi = _attn_chunk(tl.maximum(tl.load(pad_ptr + b), shared), tl.load(counters_ptr) + 1, split, BLOCK_N)
     hi = tl.where(tl.load(done_ptr + b) != 0, lo, hi)

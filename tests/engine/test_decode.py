@@ -378,6 +378,21 @@ def test_samples_of_a_prompt_read_its_cached_prompt_together(hf_folder, monkeypa
 
 
 @interpreted
+@pytest.mark.parametrize("n,shared_heads", [(3, 4), (5, 6), (4, 2)])
+def test_attention_programs_launched_prompt_readers_first(hf_folder, monkeypatch, n, shared_heads):
+    """The attention's programs launch the rows that read their group's shared prompt first
+    (decode_kernels._attn_row), and every row is still served once: the plain sampler's rollout, over groups
+    of 3 rows two a program over the prompt (rows 0 and 2 first, then 1), of 5 three a program (0 and 3, then
+    1, 2, 4: the last set short) and of 4 one a program (every row reads the prompt)."""
+    _, model = load(hf_folder, seed=3)
+    prompts = prompts_of([4, 7, 2], 97, seed=2)
+    kw = dict(n=n, max_new_tokens=5, temperature=1.0, seed=7)
+    monkeypatch.setattr(decode, "SHARED_HEADS", shared_heads)  # (2 query heads a row)
+    assert_same_rollout(decode.generate(model, prompts, kernels="triton", **kw),
+                        rollout.generate(model, prompts, kernels="torch", **kw))
+
+
+@interpreted
 @pytest.mark.parametrize("k_step", [32, 64])
 def test_ops_store_their_output_in_the_next_gemms_k_order(hf_folder, k_step):
     """With k_step the kernels before a GEMM (add_rmsnorm, the attention, silu_mul) store their output in
