@@ -61,16 +61,22 @@ def _bench_layer(K, parts, bias, seed=0):
     return QuantLinear.concat(layers) if len(layers) > 1 else layers[0]
 
 
-def _graph_ms(calls):
-    """Median ms per call: the calls run back to back in one CUDA graph (no launch gaps), the graph
-    replayed by triton.testing.do_bench (which also flushes L2 between replays)."""
-    for c in calls:  # compile and warm up outside the graph
+def graph_of(calls):
+    """The calls back to back in one CUDA graph (no launch gaps), run once first outside it (compile, warm-up)."""
+    for c in calls:
         c()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for c in calls:
             c()
+    return graph
+
+
+def _graph_ms(calls):
+    """Median ms per call: graph_of(calls) replayed by triton.testing.do_bench (which also flushes L2
+    between replays)."""
+    graph = graph_of(calls)
     ms = triton.testing.do_bench(graph.replay, warmup=5, rep=25, return_mode="median")
     del graph
     return ms / len(calls)

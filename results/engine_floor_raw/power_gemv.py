@@ -9,7 +9,7 @@ H200 run of the same kind (results/fp4_gemm_h200.md) found the kernel at that ca
 import argparse, json, subprocess, tempfile, time
 import torch
 from engine import plan as engine_plan
-from engine.bench_gemm import QWEN7B_SHAPES, _layer_for
+from engine.bench_gemm import QWEN7B_SHAPES, _layer_for, graph_of
 
 p = argparse.ArgumentParser()
 p.add_argument("--seconds", type=float, default=3.0)
@@ -17,24 +17,14 @@ p.add_argument("--json", default=None)
 a = p.parse_args()
 
 
-def graph_of(calls):
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    return g, len(calls)
-
-
 REASONS = next((f for f in ("clocks_event_reasons.active", "clocks_throttle_reasons.active")
                 if subprocess.run(["nvidia-smi", f"--query-gpu={f}", "--format=csv"], capture_output=True).returncode == 0),
                "clocks.mem")
 
 
-def sampled(g, n):
-    """Replays g for a.seconds while nvidia-smi samples; µs a call and the samples' means."""
+def sampled(calls):
+    """Replays graph_of(calls) for a.seconds while nvidia-smi samples; µs a call and the samples' means."""
+    g, n = graph_of(calls), len(calls)
     g.replay()
     torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile("w+", suffix=".csv") as f:
@@ -71,16 +61,16 @@ for name in ("gate_up", "down"):
     copies = [(layer.weight_packed.clone(), layer.weight_scale.view(torch.uint8).clone()) for _ in range(4)]
     plan = engine_plan.plan_forward(1, layer.out_features, layer.in_features, x.dtype, x.device)
     ours = [lambda w=w, s=s: engine_plan.linear(x, w, s, gs, layer.bias, plan) for w, s in copies]
-    out[f"{name} nvfp4 {plan}"] = sampled(*graph_of(ours))
+    out[f"{name} nvfp4 {plan}"] = sampled(ours)
     del copies, ours
     w = layer.dequantized_weight(torch.bfloat16)
     ws = [w.clone() for _ in range(3)]
-    out[f"{name} cublas bf16"] = sampled(*graph_of([lambda w=w: torch.nn.functional.linear(x, w) for w in ws]))
+    out[f"{name} cublas bf16"] = sampled([lambda w=w: torch.nn.functional.linear(x, w) for w in ws])
     del ws, w
     torch.cuda.empty_cache()
 src = torch.empty(128 * 2**20, dtype=torch.bfloat16, device="cuda")
 dst = torch.empty_like(src)
-out["copy 256 MB (read + write)"] = sampled(*graph_of([lambda: dst.copy_(src)]))
+out["copy 256 MB (read + write)"] = sampled([lambda: dst.copy_(src)])
 for k, v in out.items():
     print(k, v, flush=True)
 if a.json:
