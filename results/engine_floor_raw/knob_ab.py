@@ -5,6 +5,8 @@ temperature), alternating rounds; first, each value's sampled rollout against th
 tokens, and the logprobs on each row's common prefix (before its first differing draw).
 
     PYTHONPATH=. python results/engine_floor_raw/knob_ab.py decode.SAMPLE_PER_SM 2 8 16 --json ab.json
+    PYTHONPATH=. python results/engine_floor_raw/knob_ab.py decode.SAMPLE_PER_SM,decode.SHARED_HEADS 8,32 8,16 2,32
+    # a probe's own setting, with its patch applied (merges.patch adds these two):
     PYTHONPATH=. python results/engine_floor_raw/knob_ab.py decode.ATTN_MERGE,decode.NORM_MERGE 0,0 1,0 1,1
 """
 import argparse, importlib, json, time
