@@ -9,16 +9,15 @@ Every (layer, rows) runs twice; the second launch is the one to read (the first 
 import sys
 import torch
 from engine import plan as engine_plan
-from engine.bench_gemm import QWEN7B_SHAPES, _layer_for
+from engine.bench_gemm import QWEN7B_SHAPES, _layer_for, _run_one
 
 rows = [int(a) for a in sys.argv[1:]] or [1, 64]
 for M in rows:
     for name, shape in QWEN7B_SHAPES.items():
         layer = _layer_for(shape)
         x = torch.randn(M, layer.in_features, device="cuda", dtype=torch.bfloat16)
-        args = (layer.weight_packed, layer.weight_scale.view(torch.uint8), layer.weight_global_scale.float())
         p = engine_plan.plan_forward(M, layer.out_features, layer.in_features, x.dtype, x.device)
         for _ in range(2):
-            engine_plan.linear(x, *args, layer.bias)
+            _run_one(shape, M, "fwd", None, x)
         torch.cuda.synchronize()
         print(f"{name} M={M}: {p}", flush=True)

@@ -9,7 +9,7 @@ copies) in alternating rounds.
 import argparse, json
 import torch, triton
 from engine import plan as P
-from engine.bench_gemm import QWEN7B_SHAPES, _graph_ms, _layer_for, _ours_calls, copy_bandwidth
+from engine.bench_gemm import QWEN7B_SHAPES, _graph_ms, _layer_for, _ours_calls, _run_one, copy_bandwidth
 
 p = argparse.ArgumentParser()
 p.add_argument("rows", type=int, nargs="*", default=[32, 64, 256, 1024])
@@ -25,11 +25,10 @@ for M in a.rows:
         plan = P.plan_forward(M, layer.out_features, layer.in_features, x.dtype, x.device)
         if "STAGES" not in plan:
             continue
-        args = (layer.weight_packed, layer.weight_scale.view(torch.uint8), layer.weight_global_scale.float())
         ys = []
         for v in (0, 1):
             P.WARP_RELEASE = v
-            ys.append(P.linear(x, *args, layer.bias))
+            ys.append(_run_one(shape, M, "fwd", None, x))
         us = {0: [], 1: []}
         for order in ((0, 1), (1, 0), (0, 1)):
             for v in order:
