@@ -10,8 +10,6 @@ import collections, os, re, subprocess, sys, tempfile
 
 sys.path[:0] = [".", "tests", "tests/engine"]
 import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from engine import wgmma
 from engine.mma import _mma_kernel
@@ -46,21 +44,13 @@ def report(name, cubin):
             print(f"  loop of {len(body)} instructions a warp: {counts}")
 
 
-def compile_triton(kernel, types, constexprs):
-    names = kernel.arg_names
-    signature = {n: types.get(n, "constexpr") for n in names}
-    aligned = [i for i, n in enumerate(names) if signature[n].startswith("*") or n.startswith("stride")]
-    source = ASTSource(kernel, signature, constexprs, attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-
-
 print(f"# triton {triton.__version__}, sm_90a, offline; the GPU's triton may allocate registers differently")
 mma_types = dict(x_ptr="*bf16", wp_ptr="*u8", ws_ptr="*u8", gs_ptr="*fp32", bias_ptr="*bf16", y_ptr="*bf16",
                  part_ptr="*fp32", lock_ptr="*i32", side_ptr="*bf16", side_out_ptr="*bf16", side_part_ptr="*fp32",
                  **{n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_ym", "stride_wn", "stride_sn", "k_split",
                                        "SR", "n_w", "side_k_split")})
 for cols in (0, 4):  # gate|up at one row: split 4; the side's 14 K chunks over 4 columns x the 4 splits
-    k = compile_triton(_mma_kernel, mma_types, dict(ROW_TILES=1, NUM_WARPS=4, SPLIT_K=4, GS_PER_ROW=True,
+    k = compile_for_hopper(_mma_kernel, mma_types, dict(ROW_TILES=1, NUM_WARPS=4, SPLIT_K=4, GS_PER_ROW=True,
                        HAS_BIAS=False, EVEN_K=True, USE_ASM=True, F16=False, SIDE_COLS=cols, SIDE_SPLIT=16,
                        SIDE_PAD=16, SIDE_F32=False, W_EARLY=True, PDL=True))
     report(f"mma kernel, one row, split 4, {'with' if cols else 'without'} side programs (64 weight rows x 256 k "

@@ -21,7 +21,8 @@ hopper_gluon = pytest.mark.skipif(
 
 try:  # Triton's compiler driven by hand, for a GPU this machine need not have
     from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
     from triton.runtime.jit import mangle_type  # (an argument's type, as a launch would specialize it)
 except ImportError:
     GluonASTSource = None
@@ -187,14 +188,16 @@ def test_wgmma_decode_and_k_order_emulated(f16):
 
 
 def compile_for_hopper(kernel, types, constexprs, **options):
-    """`kernel` compiled for sm_90a on this machine (Triton's compiler and the ptxas it ships; no GPU needed).
-    types: {argument: Triton type} for the runtime arguments, constexprs: {argument: value}; pointers and
-    strides are taken 16-byte aligned, as engine/plan.py's launches on aligned tensors specialize them.
+    """`kernel` (a Gluon or a Triton kernel) compiled for sm_90a on this machine (Triton's compiler and the ptxas
+    it ships; no GPU needed). types: {argument: Triton type} for the runtime arguments, constexprs: {argument:
+    value}; pointers and strides are taken 16-byte aligned, as engine/plan.py's launches on aligned tensors
+    specialize them.
     Returns the compiled kernel (its asm["ptx"], asm["cubin"])."""
     names = kernel.arg_names
     signature = {n: types.get(n, "constexpr") for n in names}
     aligned = [i for i, n in enumerate(names) if signature[n].startswith("*") or n.startswith("stride")]
-    source = GluonASTSource(kernel, signature, constexprs, attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+    Source = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
+    source = Source(kernel, signature, constexprs, attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, **options))
 
 
