@@ -51,8 +51,8 @@ mma_types = dict(x_ptr="*bf16", wp_ptr="*u8", ws_ptr="*u8", gs_ptr="*fp32", bias
                                        "SR", "n_w", "side_k_split")})
 for cols in (0, 4):  # gate|up at one row: split 4; the side's 14 K chunks over 4 columns x the 4 splits
     k = compile_for_hopper(_mma_kernel, mma_types, dict(ROW_TILES=1, NUM_WARPS=4, SPLIT_K=4, GS_PER_ROW=True,
-                       HAS_BIAS=False, EVEN_K=True, USE_ASM=True, F16=False, SIDE_COLS=cols, SIDE_SPLIT=16,
-                       SIDE_PAD=16, SIDE_F32=False, W_EARLY=True, PDL=True))
+                           HAS_BIAS=False, EVEN_K=True, USE_ASM=True, F16=False, SIDE_COLS=cols, SIDE_SPLIT=16,
+                           SIDE_PAD=16, SIDE_F32=False, W_EARLY=True, PDL=True))
     report(f"mma kernel, one row, split 4, {'with' if cols else 'without'} side programs (64 weight rows x 256 k "
            f"a k-step: 4,096 weights a warp)", k.asm["cubin"])
 

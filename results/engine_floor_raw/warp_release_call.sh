@@ -6,27 +6,43 @@
 #
 #     OUT=/tmp/out bash results/engine_floor_raw/warp_release_call.sh
 set -u
-export PYTHONPATH=.
+export PYTHONPATH=. OMP_NUM_THREADS=1
 mkdir -p "$OUT" && OUT=$(realpath "$OUT")
 NCU=/usr/local/cuda/bin/ncu
+HEAD=$PWD
+PROBE=/tmp/warp_release_probe
 T0=$(date +%s)
-el() { echo "[t=$(( $(date +%s) - T0 ))s] $*" | tee -a $OUT/log.txt; }
-{ nvidia-smi --query-gpu=name,clocks.max.sm,power.limit,driver_version --format=csv; python -c "import torch,triton,transformers;print(torch.__version__,triton.__version__,transformers.__version__)"; } > $OUT/env.txt 2>&1
-el env
-P=/tmp/probe; rm -rf $P; mkdir -p $P; tar -c --exclude=./.git --exclude=./.venv --exclude="*.ncu-rep" . | tar -x -C $P
-(cd $P && patch -p1 < results/engine_floor_raw/warp_release.patch) > $OUT/patch.txt 2>&1
-el patch rc $?
-(cd $P && timeout 110 python results/engine_floor_raw/ws_release_ab.py 32 64 256 1024 --json $OUT/ws_release_ab.json) > $OUT/ws_release_ab.txt 2>&1
-el ab rc $?
-(cd $P && QERL_WARP_RELEASE=1 OMP_NUM_THREADS=1 timeout 100 python -m pytest -q -x -k gpu tests/engine/test_wgmma.py) > $OUT/probe_wgmma_tests.txt 2>&1
-el probe tests rc $?
-(cd $P && timeout 130 python results/engine_floor_raw/knob_ab.py plan.WARP_RELEASE 0 1 --batches 64 32 8 --json $OUT/warp_release_knob.json) > $OUT/warp_release_knob.txt 2>&1
-el knob rc $?
-timeout 60 $NCU -k regex:_wgmma_ws --launch-skip 5 --launch-count 1 --section SourceCounters --section WarpStateStats -o $OUT/ws64 python results/engine_floor_raw/ncu_gemm.py 64 > $OUT/ncu_run.txt 2>&1
-el ncu rc $?
-$NCU -i $OUT/ws64.ncu-rep --page source --csv --print-source sass > $OUT/ws64_sass.csv 2>&1; $NCU -i $OUT/ws64.ncu-rep > $OUT/ws64_details.txt 2>&1
-(cd $P && QERL_WARP_RELEASE=1 timeout 60 $NCU -k regex:_wgmma_ws --launch-skip 5 --launch-count 1 --section SourceCounters --section WarpStateStats -o $OUT/ws64_probe python results/engine_floor_raw/ncu_gemm.py 64) > $OUT/ncu_probe_run.txt 2>&1
-el ncu probe rc $?
-$NCU -i $OUT/ws64_probe.ncu-rep --page source --csv --print-source sass > $OUT/ws64_probe_sass.csv 2>&1; $NCU -i $OUT/ws64_probe.ncu-rep > $OUT/ws64_probe_details.txt 2>&1
-OMP_NUM_THREADS=1 timeout 150 python -m pytest -q -k gpu tests/engine/test_decode.py tests/test_rollout.py > $OUT/gpu_tests_head.txt 2>&1
-el head tests rc $?
+
+# step NAME DIR SECONDS COMMAND...: run COMMAND in DIR under a timeout, its output to $OUT/NAME.txt
+step() {
+    local name=$1 dir=$2 limit=$3
+    shift 3
+    (cd "$dir" && timeout "$limit" "$@") > "$OUT/$name.txt" 2>&1
+    local rc=$?
+    echo "[t=$(( $(date +%s) - T0 ))s] $name: rc $rc" | tee -a "$OUT/log.txt"
+}
+
+# stalls NAME DIR: the 6th warp-specialized launch of ncu_gemm.py at 64 rows (gate|up's second), by SASS line
+stalls() {
+    step "$1" "$2" 60 $NCU -k regex:_wgmma_ws --launch-skip 5 --launch-count 1 --section SourceCounters \
+        --section WarpStateStats -o "$OUT/$1" python results/engine_floor_raw/ncu_gemm.py 64
+    $NCU -i "$OUT/$1.ncu-rep" --page source --csv --print-source sass > "$OUT/$1_sass.csv" 2>&1
+    $NCU -i "$OUT/$1.ncu-rep" > "$OUT/$1_details.txt" 2>&1
+}
+
+{
+    nvidia-smi --query-gpu=name,clocks.max.sm,power.limit,driver_version --format=csv
+    python -c "import torch, triton, transformers as t; print(torch.__version__, triton.__version__, t.__version__)"
+} > "$OUT/env.txt" 2>&1
+
+rm -rf $PROBE && mkdir -p $PROBE
+tar -c --exclude=./.git --exclude=./.venv . | tar -x -C $PROBE
+step patch $PROBE 10 patch -p1 -i results/engine_floor_raw/warp_release.patch
+step ws_release_ab $PROBE 110 python results/engine_floor_raw/ws_release_ab.py 32 64 256 1024 \
+    --json "$OUT/ws_release_ab.json"
+step probe_wgmma_tests $PROBE 100 env QERL_WARP_RELEASE=1 python -m pytest -q -x -k gpu tests/engine/test_wgmma.py
+step warp_release_knob $PROBE 130 python results/engine_floor_raw/knob_ab.py plan.WARP_RELEASE 0 1 \
+    --batches 64 32 8 --json "$OUT/warp_release_knob.json"
+stalls ws64 "$HEAD"
+QERL_WARP_RELEASE=1 stalls ws64_probe $PROBE
+step gpu_tests_head "$HEAD" 150 python -m pytest -q -k gpu tests/engine/test_decode.py tests/test_rollout.py
